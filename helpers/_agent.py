@@ -1,0 +1,77 @@
+"""One torchrun agent: PyTorch's own elastic launcher, driven from a launch spec.
+
+The launcher runs this in a process of its own (forked from the preloaded launch server, or a fresh
+``python -m helpers._agent spec.json``). The options are parsed by torchrun's own argument parser and
+turned into a LaunchConfig by torchrun's own ``config_from_args``, so workers see exactly the
+environment a terminal ``torchrun`` gives them. Only the entry point differs: workers start in
+:mod:`helpers._bootstrap`, forked from this process (fast) or as fresh interpreters.
+
+Writes ``agent_result.json`` into the run folder: success, or every failed rank with its exit code.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import traceback
+
+
+def _torchrun_argv(spec: dict) -> list[str]:
+    argv = [f"--nproc-per-node={spec['nproc']}", f"--max-restarts={spec['max_restarts']}",
+            f"--log-dir={spec['elastic_log_dir']}", "--redirects=3",
+            f"--start-method={'spawn' if spec['fresh'] else 'fork'}",
+            f"--shutdown-timeout={spec['stop_grace']}", f"--monitor-interval={spec['monitor_interval']}"]
+    argv += spec["torchrun_argv"]
+    return argv + [spec["script"], *spec["args"]]
+
+
+def _failures(error) -> dict:
+    out = {}
+    for rank, failure in error.failures.items():  # keyed by global rank
+        out[str(rank)] = {"local_rank": failure.local_rank, "exitcode": failure.exitcode,
+                                  "signal": failure.signal_name() if failure.exitcode < 0 else None,
+                                  "message": failure.message, "timestamp": failure.timestamp}
+    return out
+
+
+def run_agent(spec: dict) -> int:
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    from helpers._bootstrap import run_script
+
+    # Elastic logs each failed worker with logger.exception, whose formatting takes ~3 s here
+    # (it walks and imports modules); the launcher reports failures from its own records instead.
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    result_path = os.path.join(spec["run_dir"], f"agent_result_node{spec['node_rank']}.json")
+    args = torchrun.get_args_parser().parse_args(_torchrun_argv(spec))
+    config, _, script_args = torchrun.config_from_args(args)
+    if spec["fresh"]:
+        entrypoint, entry_args = sys.executable, ["-u", "-m", "helpers._bootstrap", spec["script"], *script_args]
+    else:
+        entrypoint, entry_args = run_script, [spec["script"], *script_args]
+    try:
+        elastic_launch(config, entrypoint)(*entry_args)
+        outcome, code = {"ok": True}, 0
+    except ChildFailedError as error:
+        outcome, code = {"ok": False, "failures": _failures(error)}, 1
+    except Exception:
+        outcome, code = {"ok": False, "agent_error": traceback.format_exc()}, 2
+    with open(result_path, "w") as f:
+        json.dump(outcome, f)
+    return code
+
+
+def main() -> None:
+    with open(sys.argv[1]) as f:
+        spec = json.load(f)
+    from helpers._bootstrap import die_with_parent
+
+    die_with_parent()
+    sys.exit(run_agent(spec))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""The launch server: a clean process that has imported torch once, and forks an agent per launch.
+
+Why: starting a worker the usual way costs a fresh interpreter plus ``import torch`` (seconds);
+forking from a process that already imported torch costs milliseconds. The server is never the
+notebook kernel itself: the kernel may hold CUDA state, threads and sockets that must not be forked.
+The server imports torch but never touches CUDA, so forked workers may still initialise it.
+
+Protocol (JSON lines): the kernel writes ``{"spec": {...}}`` on stdin; the server answers
+``{"started": pid}`` (the agent's pid, also its process-group id) and later ``{"exited": pid,
+"code": n}``. When stdin closes (the kernel exited or died) every agent group is killed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import sys
+import traceback
+
+agents: set[int] = set()
+
+
+def _send(message: dict) -> None:
+    sys.stdout.write(json.dumps(message) + "\n")
+    sys.stdout.flush()
+
+
+def _start_agent(spec: dict) -> int:
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 3
+    try:
+        os.setpgid(0, 0)
+        from helpers._bootstrap import die_with_parent
+        from helpers._agent import run_agent
+
+        die_with_parent()
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        log = os.open(os.path.join(spec["run_dir"], f"agent_node{spec['node_rank']}.log"),
+                      os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.chdir(spec["cwd"])
+        os.environ.clear()
+        os.environ.update(spec["env"])
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        code = run_agent(spec)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _reap() -> None:
+    for pid in list(agents):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            agents.discard(pid)
+            _send({"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+
+
+def _kill_all(*_) -> None:
+    for pid in agents:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    os._exit(0)
+
+
+def main() -> None:
+    from helpers._bootstrap import die_with_parent
+
+    die_with_parent(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, _kill_all)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the kernel handles interrupts and tells us
+    import torch  # noqa: F401  (the point of this process: pay for it once)
+    import torch.distributed.run  # noqa: F401
+    import torch.nn  # noqa: F401
+    import torch.optim  # noqa: F401
+
+    import helpers._agent  # noqa: F401
+
+    _send({"ready": os.getpid()})
+    buffer = b""
+    while True:
+        readable, _, _ = select.select([0], [], [], 0.02 if agents else 0.5)
+        if readable:
+            chunk = os.read(0, 65536)
+            if not chunk:
+                _kill_all()
+            buffer += chunk
+            while b"\n" in buffer:
+                line, buffer = buffer.split(b"\n", 1)
+                pid = _start_agent(json.loads(line)["spec"])
+                agents.add(pid)
+                _send({"started": pid})
+        _reap()
+
+
+if __name__ == "__main__":
+    main()
