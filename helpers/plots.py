@@ -1,0 +1,75 @@
+"""Pictures the lessons need, from a Run's metrics or plain numbers. Every function returns its Axes.
+
+    from helpers.plots import plot_metric, plot_bars, plot_lines
+    plot_metric(run, "loss", ylabel="cross-entropy loss")
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import matplotlib.pyplot as plt
+
+FIGSIZE = (6.4, 3.6)
+
+
+def _axes(ax: plt.Axes | None) -> plt.Axes:
+    if ax is None:
+        _, ax = plt.subplots(figsize=FIGSIZE, dpi=80, layout="constrained")
+    return ax
+
+
+def plot_metric(run_or_rows: Any, name: str, *, x: str = "step", ax: plt.Axes | None = None,
+                title: str | None = None, ylabel: str | None = None, xlabel: str | None = None,
+                label: str = "rank {rank}", logy: bool = False) -> plt.Axes:
+    """One line per rank: metric `name` against `x` (rows come from run.metrics)."""
+    rows = getattr(run_or_rows, "metrics", run_or_rows)
+    series: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    for row in rows:
+        if name in row and row.get(x) is not None:
+            series[row["rank"]].append((row[x], row[name]))
+    if not series:
+        raise ValueError(f"no metric rows with both {name!r} and {x!r}; reported names: "
+                         f"{sorted({k for row in rows for k in row})}")
+    ax = _axes(ax)
+    for rank, points in sorted(series.items()):
+        points.sort()
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker=".", label=label.format(rank=rank))
+    ax.set(title=title or f"{name} per rank", xlabel=xlabel or x, ylabel=ylabel or name)
+    if logy:
+        ax.set_yscale("log")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    return ax
+
+
+def plot_bars(values: Mapping[str, float], *, ylabel: str, title: str, errors: Mapping[str, float] | None = None,
+              ax: plt.Axes | None = None, fmt: str = "{:.3g}") -> plt.Axes:
+    """A comparison bar chart, each bar labelled with its value."""
+    ax = _axes(ax)
+    names = list(values)
+    heights = [values[n] for n in names]
+    yerr = [errors[n] for n in names] if errors else None
+    bars = ax.bar(names, heights, yerr=yerr, capsize=4, color=plt.rcParams["axes.prop_cycle"].by_key()["color"])
+    ax.bar_label(bars, labels=[fmt.format(h) for h in heights], padding=2)
+    ax.set(title=title, ylabel=ylabel)
+    ax.margins(y=0.15)
+    ax.grid(axis="y", alpha=0.3)
+    return ax
+
+
+def plot_lines(series: Mapping[str, tuple[Sequence[float], Sequence[float]]], *, xlabel: str, ylabel: str,
+               title: str, logx: bool = False, logy: bool = False, ax: plt.Axes | None = None) -> plt.Axes:
+    """Several named (xs, ys) curves on one set of axes, e.g. bandwidth against message size."""
+    ax = _axes(ax)
+    for name, (xs, ys) in series.items():
+        ax.plot(xs, ys, marker=".", label=name)
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    if logx:
+        ax.set_xscale("log")
+    if logy:
+        ax.set_yscale("log")
+    ax.legend()
+    ax.grid(alpha=0.3, which="both")
+    return ax
