@@ -7,9 +7,9 @@
 
 Importing this package is cheap: torch is imported by the workers and the launch server, not here.
 """
-from helpers.launch import LaunchTimeout, Run, WorkerFailed, launch, start, wait
+from helpers.launch import LaunchTimeout, Run, WorkerFailed, free_port, launch, start, wait
 
-__all__ = ["launch", "start", "wait", "Run", "WorkerFailed", "LaunchTimeout", "load_ipython_extension"]
+__all__ = ["launch", "start", "wait", "free_port", "Run", "WorkerFailed", "LaunchTimeout", "load_ipython_extension"]
 
 
 def load_ipython_extension(ipython) -> None:

@@ -137,8 +137,8 @@ class LiveView:
         elif kind == "progress":
             self.progress[rank] = (event["done"], event["total"])
         elif kind == "result":
-            event.pop("time")
-            event.pop("rank")
+            for key in ("time", "rank", "attempt"):
+                event.pop(key)
             self.results[rank].update(event)
 
     # -- questions the launcher asks

@@ -19,6 +19,7 @@ import os
 import re
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -129,6 +130,13 @@ class _LaunchServer:
     def poll(self, pid: int) -> int | None:
         self._messages(0)
         return self.exit_codes.pop(pid, None)
+
+
+def free_port() -> int:
+    """A TCP port on loopback that is free right now (for an explicit rdzv_endpoint)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def _child_env() -> dict[str, str]:

@@ -44,7 +44,8 @@ def _emit(kind: str, fields: dict[str, Any]) -> None:
         os.makedirs(folder, exist_ok=True)
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         _stream = open(os.path.join(folder, f"rank{_rank()}-attempt{attempt}.jsonl"), "a", buffering=1)
-    record = {"kind": kind, "rank": _rank(), "time": time.time(), **_plain(fields)}
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    record = {"kind": kind, "rank": _rank(), "attempt": attempt, "time": time.time(), **_plain(fields)}
     _stream.write(json.dumps(record) + "\n")
 
 
