@@ -304,7 +304,7 @@ class Job:
         view = self.view
         view.collect(final=True)
         return Run(script=self.spec["script"], nproc=self.spec["nproc"], log_dir=short_path(self.run_dir),
-                   logs=view.logs_text(), metrics=view.metrics, results=view.results,
+                   logs=view.logs_text(), metrics=view.metrics, results=dict(view.results),
                    wall_time=time.perf_counter() - self.started,
                    timings={"server_start": self.agent.server_start, **view.timings(self.started_wall)},
                    attempts=view.attempts())
