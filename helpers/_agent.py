@@ -47,11 +47,12 @@ def run_agent(spec: dict) -> int:
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     result_path = os.path.join(spec["run_dir"], f"agent_result_node{spec['node_rank']}.json")
     args = torchrun.get_args_parser().parse_args(_torchrun_argv(spec))
-    config, _, script_args = torchrun.config_from_args(args)
+    config, _, _ = torchrun.config_from_args(args)
+    script_and_args = [spec["script"], *spec["args"]]
     if spec["fresh"]:
-        entrypoint, entry_args = sys.executable, ["-u", "-m", "helpers._bootstrap", spec["script"], *script_args]
+        entrypoint, entry_args = sys.executable, ["-u", "-m", "helpers._bootstrap", *script_and_args]
     else:
-        entrypoint, entry_args = run_script, [spec["script"], *script_args]
+        entrypoint, entry_args = run_script, script_and_args
     try:
         elastic_launch(config, entrypoint)(*entry_args)
         outcome, code = {"ok": True}, 0

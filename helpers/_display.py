@@ -137,9 +137,7 @@ class LiveView:
         elif kind == "progress":
             self.progress[rank] = (event["done"], event["total"])
         elif kind == "result":
-            for key in ("time", "rank", "attempt"):
-                event.pop(key)
-            self.results[rank].update(event)
+            self.results[rank].update(event["values"])
 
     # -- questions the launcher asks
     def logs_text(self) -> dict[int, str]:

@@ -61,7 +61,7 @@ def progress(done: int, total: int) -> None:
 
 def result(**values: Any) -> None:
     """Hand values back to the notebook: ``run.results[rank][name]`` (tensors become lists)."""
-    _emit("result", values)
+    _emit("result", {"values": values})
 
 
 def is_launched_from_notebook() -> bool:

@@ -1,0 +1,105 @@
+"""Checkpoints that survive a crash: atomic save, safe load, and the RNG state a resume needs.
+
+    from helpers.checkpoint import save_checkpoint, load_checkpoint, rng_state, set_rng_state
+    save_checkpoint("ckpt.pt", {"model": model.state_dict(), "step": step, "rng": rng_state()})
+    state = load_checkpoint("ckpt.pt")          # None when there is none yet
+
+Taught in lesson 06 (fault tolerance). The save writes a temporary file next to the target, flushes
+it to disk, then renames it over the target: a rename within one folder is atomic, so a crash at any
+moment leaves either the old checkpoint or the new one, never half of one. The load uses
+``weights_only=True``, which unpickles tensors and plain containers only, never arbitrary code.
+"""
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+
+def temporary_path(path: str | os.PathLike) -> Path:
+    """Where save_checkpoint writes before the rename (same folder, so the rename is atomic)."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.tmp")
+
+
+def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> None:
+    """Write `state` to `path` atomically: temporary file, flush to disk, rename over the target."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = temporary_path(path)
+    with open(temporary, "wb") as file:
+        torch.save(state, file)
+        file.flush()
+        os.fsync(file.fileno())  # the bytes are on disk before the rename makes them "the" checkpoint
+    os.replace(temporary, path)
+    _fsync_folder(path.parent)  # and the rename itself survives a power cut
+
+
+def _fsync_folder(folder: Path) -> None:
+    if os.name != "posix":
+        return
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict | None:
+    """The checkpoint at `path` (tensors and plain Python values only), or None if there is none."""
+    if not Path(path).exists():
+        return None
+    return torch.load(path, map_location=map_location, weights_only=True)
+
+
+def rng_state() -> dict[str, Any]:
+    """Every random generator a training loop may draw from, as tensors and plain values."""
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Put the generators back exactly where rng_state() found them."""
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))  # tuples may come back as lists
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class _FailsHalfway:
+    """Pickling this raises, after torch.save has already started writing the file."""
+
+    def __reduce__(self):
+        raise RuntimeError("simulated crash in the middle of writing a checkpoint")
+
+
+def check_atomic_save(save: Callable[[dict, Path], None], folder: str | os.PathLike) -> bool:
+    """Lesson 06's exercise: does `save(state, path)` keep the old checkpoint if it dies midway?"""
+    path = Path(folder) / "exercise.pt"
+    good = {"step": 1, "weight": torch.arange(1000.0)}
+    save(good, path)
+    try:
+        save({"step": 2, "weight": torch.zeros(1000), "oops": _FailsHalfway()}, path)
+    except RuntimeError:
+        pass
+    try:
+        after = torch.load(path, weights_only=True)
+    except Exception as error:
+        print(f"Not yet: the crash destroyed the last good checkpoint ({type(error).__name__}).")
+        return False
+    if after["step"] != 1 or not torch.equal(after["weight"], good["weight"]):
+        print("Not yet: the file at `path` changed although the second save failed.")
+        return False
+    save({"step": 3, "weight": good["weight"] * 2}, path)
+    if torch.load(path, weights_only=True)["step"] != 3:
+        print("Not yet: a save that succeeds must replace the checkpoint.")
+        return False
+    print("Well done: a crash in the middle of a save leaves the previous checkpoint intact, "
+          "and a save that succeeds replaces it.")
+    return True

@@ -1,0 +1,162 @@
+"""Pictures and arithmetic for lesson 01 (collectives): what every rank held, and what bytes cost.
+
+    from helpers.collectives import draw_collectives, draw_barrier, bandwidth_rows, fit_latency_bandwidth
+    draw_collectives(run, ["broadcast", "all_reduce"])   # run of helpers/workers/collectives_tour.py
+    check_all_gather("runs/my_all_gather.py")            # the lesson's exercise
+
+Taught in notebooks/01_collectives.ipynb.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.patches import Rectangle
+
+from helpers.launch import Run, WorkerFailed, launch
+
+RANK_COLOURS = plt.get_cmap("tab10").colors
+COMBINED_COLOUR = "0.75"  # a number made by adding several ranks' numbers
+
+
+def tensors(run: Run, operation: str) -> tuple[list[list[float]], list[list[float]]]:
+    """Every rank's tensor before and after `operation`, in rank order (from collectives_tour.py)."""
+    ranks = sorted(run.results)
+    before = [run.results[rank]["tensors"][operation]["before"] for rank in ranks]
+    after = [run.results[rank]["tensors"][operation]["after"] for rank in ranks]
+    return before, after
+
+
+def owner(value: float, world_size: int, length: int) -> int | None:
+    """The rank whose starting tensor holds `value` (10r+1 .. 10r+length), None for a combined number."""
+    rank, offset = divmod(int(value) - 1, 10)
+    return rank if value == int(value) and 0 <= rank < world_size and offset < length else None
+
+
+def _draw_row(ax: plt.Axes, values: Sequence[float], x0: float, y: float, world_size: int,
+              length: int, faded: bool) -> None:
+    for column, value in enumerate(values):
+        source = owner(value, world_size, length)
+        colour = COMBINED_COLOUR if source is None else RANK_COLOURS[source % 10]
+        ax.add_patch(Rectangle((x0 + column, y), 0.95, 0.8, facecolor=colour,
+                               alpha=0.25 if faded else 0.75, edgecolor="black", linewidth=0.5))
+        ax.text(x0 + column + 0.47, y + 0.4, f"{value:g}", ha="center", va="center", fontsize=8,
+                color="0.5" if faded else "black")
+
+
+def draw_collective(run: Run, operation: str, ax: plt.Axes | None = None,
+                    unspecified: Sequence[int] = ()) -> plt.Axes:
+    """Rows = ranks; left: the tensor before, right: after. Colour = the rank a number came from
+    (grey: a sum of several ranks). Ranks in `unspecified` hold values the API does not promise."""
+    before, after = tensors(run, operation)
+    world_size, length = len(before), max(len(row) for row in before)
+    if ax is None:
+        _, ax = plt.subplots(figsize=(5, 0.5 + 0.45 * world_size), dpi=80, layout="constrained")
+    right = max(len(row) for row in before) + 1.5
+    for rank in range(world_size):
+        y = world_size - 1 - rank
+        ax.text(-0.3, y + 0.4, f"rank {rank}", ha="right", va="center", fontsize=8)
+        _draw_row(ax, before[rank], 0, y, world_size, length, faded=False)
+        _draw_row(ax, after[rank], right, y, world_size, length, faded=rank in unspecified)
+    width = right + max(len(row) for row in after)
+    ax.annotate("", xy=(right - 0.2, world_size / 2), xytext=(right - 1.3, world_size / 2),
+                arrowprops={"arrowstyle": "->"})
+    ax.set(xlim=(-2.2, width + 0.2), ylim=(-0.2, world_size + 0.2), title=operation)
+    ax.axis("off")
+    return ax
+
+
+def draw_collectives(run: Run, operations: Sequence[str], unspecified: dict[str, Sequence[int]] | None = None,
+                     ) -> np.ndarray:
+    """One picture per operation, side by side in a grid of two columns."""
+    rows = (len(operations) + 1) // 2
+    world_size = len(run.results)
+    _, axes = plt.subplots(rows, 2, figsize=(10, rows * (0.6 + 0.45 * world_size)), dpi=80,
+                           layout="constrained", squeeze=False)
+    for ax, operation in zip(axes.flat, operations):
+        draw_collective(run, operation, ax=ax, unspecified=(unspecified or {}).get(operation, ()))
+    for ax in axes.flat[len(operations):]:
+        ax.axis("off")
+    return axes
+
+
+def draw_barrier(run: Run, ax: plt.Axes | None = None) -> plt.Axes:
+    """Each rank's wait at the barrier: from when it arrived to when it was let through."""
+    ranks = sorted(run.results)
+    times = [run.results[rank]["barrier"] for rank in ranks]
+    start = min(t["arrived"] for t in times)
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6.4, 0.6 + 0.4 * len(ranks)), dpi=80, layout="constrained")
+    for rank, t in zip(ranks, times):
+        arrived, left = (t["arrived"] - start) * 1e3, (t["left"] - start) * 1e3
+        ax.barh(rank, max(left - arrived, 1.0), left=arrived, color=RANK_COLOURS[rank % 10], alpha=0.7)
+        ax.plot([arrived], [rank], "k|", markersize=12)
+    ax.axvline(max(t["arrived"] - start for t in times) * 1e3, color="black", linestyle="--",
+               linewidth=1, label="last rank arrives")
+    ax.set(yticks=ranks, yticklabels=[f"rank {r}" for r in ranks], xlabel="milliseconds",
+           title="barrier: waiting (bar) until the last rank arrives")
+    ax.invert_yaxis()
+    ax.legend(loc="lower right", fontsize=8)
+    return ax
+
+
+def bus_factor(world_size: int) -> float:
+    """2(N-1)/N: the fraction of the tensor each rank sends (and receives) in a ring all-reduce."""
+    return 2 * (world_size - 1) / world_size
+
+
+def bandwidth_rows(sizes: Sequence[int], seconds: Sequence[float], world_size: int) -> list[dict[str, float]]:
+    """Per size: time, algorithm bandwidth (bytes / time) and bus bandwidth (algbw x 2(N-1)/N), in GB/s."""
+    return [{"bytes": size, "ms": t * 1e3, "algbw GB/s": size / t / 1e9,
+             "busbw GB/s": size / t / 1e9 * bus_factor(world_size)} for size, t in zip(sizes, seconds)]
+
+
+def fit_latency_bandwidth(sizes: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]:
+    """Fit time = latency + size / bandwidth; return (latency in s, bandwidth in bytes/s).
+
+    Least squares on *relative* error, so that the 1 KB points count as much as the 64 MB ones.
+    """
+    sizes_array, seconds_array = np.asarray(sizes, float), np.asarray(seconds, float)
+    design = np.stack([np.ones_like(sizes_array), sizes_array], axis=1) / seconds_array[:, None]
+    (latency, inverse_bandwidth), *_ = np.linalg.lstsq(design, np.ones_like(seconds_array), rcond=None)
+    return float(latency), float(1 / inverse_bandwidth)
+
+
+def format_bytes(size: float) -> str:
+    """1024 -> '1 KB', 67108864 -> '64 MB' (binary units, as message sizes usually are)."""
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1024 or unit == "GB":
+            return f"{size:g} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def check_all_gather(script: str | Path, nproc: int = 3) -> bool:
+    """The exercise: does `script` build all_gather from point-to-point ops? Prints why or why not.
+
+    The script must give rank r the tensor [10r, 10r+1, 10r+2], build the gathered list without
+    dist.all_gather, and hand it back with result(gathered=[...]).
+    """
+    source = Path(script).read_text()
+    if re.search(r"\ball_gather(_into_tensor|_object)?\s*\(", source):  # all_gather_by_hand( does not match
+        print("Not yet: build it from send/recv (or isend/irecv), without calling dist.all_gather.")
+        return False
+    try:
+        run = launch(script, nproc=nproc, echo=False, timeout=60)
+    except WorkerFailed as error:
+        lines = [line for line in str(error).splitlines() if line.strip()]
+        print(f"Not yet: rank {error.rank} failed. Last line of its traceback:\n  {lines[-2].strip()}")
+        return False
+    expected = [[10.0 * rank + i for i in range(3)] for rank in range(nproc)]
+    for rank in range(nproc):
+        got: Any = run.results.get(rank, {}).get("gathered")
+        if got != expected:
+            print(f"Not yet: rank {rank} gathered {got}, expected {expected}.")
+            return False
+    print(f"Correct: each of {nproc} ranks holds every rank's tensor, in rank order, "
+          "built from point-to-point messages only.")
+    return True

@@ -1,0 +1,121 @@
+"""Train with DistributedDataParallel: the source article's tutorial, fixed and launchable.
+
+    torchrun --standalone --nproc-per-node 2 helpers/workers/ddp_train.py --epochs 2
+    torchrun --standalone --nproc-per-node 2 helpers/workers/ddp_train.py --model cnn --checkpoint runs/ddp.pt
+    python helpers/workers/ddp_train.py --epochs 1        # one process works too
+
+torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and a free MASTER_PORT, so nothing is
+hard-coded. The backend follows the hardware: nccl with one GPU per rank, gloo on CPU.
+--batch-size is per rank: the global batch is world_size times larger. Only rank 0 prints.
+"""
+import argparse
+import itertools
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, Subset
+
+from helpers.data import load
+from helpers.ddp import parameter_checksum
+from helpers.models import build_model
+from helpers.worker import progress, report, result
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=["simple", "cnn"], default="simple")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=32, help="per rank")
+    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--steps", type=int, default=0, help="stop each epoch after this many steps (0: all)")
+    parser.add_argument("--checkpoint", default="", help="save here every epoch; resume from it if present")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args()
+
+
+def init_distributed() -> tuple[int, int, torch.device]:
+    """Join the process group; return (rank, world_size, device)."""
+    use_cuda = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    backend = "nccl" if use_cuda else "gloo"
+    if "RANK" in os.environ:  # started by torchrun: the environment says who we are
+        dist.init_process_group(backend)
+    else:  # plain `python`: a group of one, no network needed
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, device: torch.device, rank: int, world_size: int) -> float:
+    """Test accuracy over the whole test set: each rank counts its share, all_reduce sums the counts."""
+    test_set, _ = load(train=False)
+    my_share = Subset(test_set, range(rank, len(test_set), world_size))  # no padding: each image once
+    counts = torch.zeros(2, device=device)  # correct, total
+    model.eval()
+    for images, labels in DataLoader(my_share, batch_size=256):
+        predictions = model(images.to(device)).argmax(dim=1)
+        counts += torch.tensor([(predictions == labels.to(device)).sum().item(), len(labels)], device=device)
+    dist.all_reduce(counts)
+    model.train()
+    return (counts[0] / counts[1]).item()
+
+
+def main() -> None:
+    args = parse_args()
+    rank, world_size, device = init_distributed()
+    torch.manual_seed(args.seed)
+    train_set, source = load(train=True)
+    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
+    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
+
+    model = DDP(build_model(args.model).to(device))  # DDP broadcasts rank 0's weights to every rank
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+    start_epoch = 0
+    checkpoint = Path(args.checkpoint) if args.checkpoint else None
+    if checkpoint and checkpoint.exists():  # every rank reads the same file onto its own device
+        state = torch.load(checkpoint, weights_only=True, map_location=device)
+        model.module.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        start_epoch = state["epoch"] + 1
+    if rank == 0:
+        print(f"{world_size} rank(s), backend {dist.get_backend()}, data: {source}, "
+              f"global batch {args.batch_size * world_size}, starting at epoch {start_epoch}")
+
+    steps_per_epoch = min(len(loader), args.steps or len(loader))
+    step, started = start_epoch * steps_per_epoch, time.perf_counter()
+    for epoch in range(start_epoch, args.epochs):
+        sampler.set_epoch(epoch)  # a new shuffle every epoch, the same one on every rank
+        for images, labels in itertools.islice(loader, steps_per_epoch):
+            loss = nn.functional.cross_entropy(model(images.to(device)), labels.to(device))
+            optimizer.zero_grad()
+            loss.backward()  # DDP averages the gradients over all ranks here
+            optimizer.step()
+            report(step=step, loss=loss.item(), epoch=epoch)
+            step += 1
+            progress(step, total=args.epochs * steps_per_epoch)
+        accuracy = evaluate(model, device, rank, world_size)
+        if rank == 0:
+            print(f"epoch {epoch}: last loss {loss.item():.3f}, test accuracy {accuracy:.3f}")
+        if checkpoint and rank == 0:  # one writer; the others wait at the barrier
+            checkpoint.parent.mkdir(parents=True, exist_ok=True)
+            torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
+                        "epoch": epoch}, checkpoint)
+        if checkpoint:
+            dist.barrier()  # nobody reads or resumes before the file is complete
+
+    result(checksum=parameter_checksum(model), steps=step, world_size=world_size, data=source,
+           train_seconds=time.perf_counter() - started,
+           accuracy=evaluate(model, device, rank, world_size))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""RPC in five calls: rpc_sync, rpc_async, remote, RRef.to_here, RRef.local_value, then shutdown.
+
+    torchrun --standalone --nproc-per-node 2 helpers/workers/rpc_basics.py
+
+Rank 0 ("worker0") drives; rank 1 ("worker1") only serves: its main thread goes straight to
+rpc.shutdown(), which waits until every peer is done with it. Runs on CPU (TensorPipe); with one
+process worker0 calls itself, which RPC allows.
+"""
+import os
+import time
+import warnings
+
+import torch
+import torch.distributed.rpc as rpc
+
+from helpers.worker import result
+
+
+def whoami(x: torch.Tensor) -> str:
+    """Runs on the callee: the function travels by name, its arguments by value (pickled)."""
+    return f"{rpc.get_worker_info().name} received {x.tolist()}"
+
+
+def slow_square(x: int) -> int:
+    time.sleep(0.2)  # stands in for real work, so that overlapping calls show
+    return x * x
+
+
+def double_in_place(rref: rpc.RRef) -> None:
+    """Runs on the owner, where local_value() is the object itself, not a copy."""
+    rref.local_value().mul_(2)
+
+
+def drive(callee: str) -> dict:
+    facts = {"sync": rpc.rpc_sync(callee, whoami, args=(torch.arange(3),))}
+    facts["builtin"] = rpc.rpc_sync(callee, torch.add, args=(torch.ones(2), 1)).tolist()
+
+    started = time.perf_counter()
+    futures = [rpc.rpc_async(callee, slow_square, args=(i,)) for i in range(4)]  # all in flight at once
+    facts["async"] = [future.wait() for future in futures]
+    facts["async_seconds"] = time.perf_counter() - started
+
+    rref = rpc.remote(callee, torch.ones, args=((2, 2),))  # created and kept on the callee
+    facts["owner"], facts["is_owner"] = rref.owner().name, rref.is_owner()
+    copy = rref.to_here()  # a copy travels back
+    copy.add_(100)  # changes the copy only
+    rpc.rpc_sync(rref.owner(), double_in_place, args=(rref,))
+    facts["after_double"] = rref.to_here().tolist()
+    facts["remote_sum"] = rref.rpc_sync().sum().item()  # a method run by the owner: no copy of the tensor
+    return facts
+
+
+def main() -> None:
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    warnings.filterwarnings("ignore", message="You are using a Backend")  # torch-internal deprecation
+    # Names are the addresses; MASTER_ADDR and MASTER_PORT (set by torchrun) are where peers meet.
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size)
+    if rank == 0:
+        facts = drive(callee=f"worker{1 % world_size}")
+        for key, value in facts.items():
+            print(f"{key}: {value}")
+        result(**facts)
+    started = time.perf_counter()
+    rpc.shutdown()  # graceful: a barrier that waits for every peer's outstanding work
+    print(f"worker{rank}: rpc.shutdown() returned after {time.perf_counter() - started:.2f} s")
+    result(shutdown_seconds=time.perf_counter() - started)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""A parameter server with distributed autograd: trainers pull parameters and push gradients.
+
+    torchrun --standalone --nproc-per-node 3 helpers/workers/rpc_parameter_server.py --steps 40
+
+Rank 0 is the server ("ps"): it holds the only real copy of the model, and its main thread just
+waits in rpc.shutdown() until the trainers are done, then tests the model. Every other rank is a
+trainer ("trainer1", "trainer2", ...) that, each step, inside a distributed autograd context:
+pulls the parameters (an RPC whose returned tensors remember where they came from), runs the
+model locally, calls dist_autograd.backward (gradients travel back to the server, into that
+context only) and DistributedOptimizer.step (the server applies them). Trainers never wait for
+each other: updates are asynchronous. With one process the server trains alone.
+"""
+import argparse
+import threading
+
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
+import torch.nn.functional as F
+from torch.distributed.optim import DistributedOptimizer
+from torch.func import functional_call
+
+from helpers.models import SimpleModel
+from helpers.rpc_ps import accuracy, start_rpc, trainer_batches, worker_name
+from helpers.worker import progress, report, result
+
+_server = None
+_server_lock = threading.Lock()
+
+
+class ParameterServer:
+    """Owns the model. Trainers reach it through an RRef; its methods run on the server."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        self.model = SimpleModel()
+
+    def parameters(self) -> list[torch.Tensor]:
+        return list(self.model.parameters())
+
+    def parameter_rrefs(self) -> list[rpc.RRef]:
+        return [rpc.RRef(p) for p in self.model.parameters()]
+
+
+def get_server() -> ParameterServer:
+    """Run on the server by rpc.remote: every trainer gets an RRef to the same object."""
+    global _server
+    with _server_lock:  # two trainers may ask at once, each on its own RPC thread
+        if _server is None:
+            _server = ParameterServer()
+        return _server
+
+
+def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
+    server = rpc.remote(worker_name(0), get_server)
+    optimizer = DistributedOptimizer(torch.optim.SGD, server.rpc_sync().parameter_rrefs(), lr=args.lr)
+    names = [name for name, _ in SimpleModel().named_parameters()]
+    shape_only = SimpleModel()  # the local module holds no state we use: only its forward code
+    trainer, trainers = max(rank - 1, 0), max(world_size - 1, 1)
+    for step, (images, labels) in enumerate(trainer_batches(trainer, trainers, args.batch_size, args.steps)):
+        if step == args.crash_at_step:
+            raise RuntimeError(f"{worker_name(rank)} crashed at step {step} (simulated)")
+        with dist_autograd.context() as context_id:
+            parameters = server.rpc_sync().parameters()  # pull
+            logits = functional_call(shape_only, dict(zip(names, parameters)), (images,))
+            loss = F.cross_entropy(logits, labels)
+            dist_autograd.backward(context_id, [loss])  # push: gradients land on the server
+            optimizer.step(context_id)  # the server updates its model with this context's gradients
+        report(step=step, loss=loss.item())
+        progress(step + 1, total=args.steps)
+    result(steps=args.steps)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=0.2)
+    parser.add_argument("--crash-at-step", type=int, default=-1, help="a trainer dies here (demo)")
+    args = parser.parse_args()
+    rank, world_size = start_rpc()
+    if rank != 0 or world_size == 1:
+        train(rank, world_size, args)
+    rpc.shutdown()  # the server waits here until every trainer has finished
+    if rank == 0:
+        result(test_accuracy=accuracy(get_server().model))
+
+
+if __name__ == "__main__":
+    main()
