@@ -12,9 +12,11 @@ moment leaves either the old checkpoint or the new one, never half of one. The l
 from __future__ import annotations
 
 import os
+import pickle
 import random
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -90,7 +92,7 @@ def check_atomic_save(save: Callable[[dict, Path], None], folder: str | os.PathL
         pass
     try:
         after = torch.load(path, weights_only=True)
-    except Exception as error:
+    except (RuntimeError, EOFError, pickle.UnpicklingError) as error:
         print(f"Not yet: the crash destroyed the last good checkpoint ({type(error).__name__}).")
         return False
     if after["step"] != 1 or not torch.equal(after["weight"], good["weight"]):

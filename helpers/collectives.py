@@ -130,7 +130,7 @@ def format_bytes(size: float) -> str:
     """1024 -> '1 KB', 67108864 -> '64 MB' (binary units, as message sizes usually are)."""
     for unit in ("B", "KB", "MB", "GB"):
         if size < 1024 or unit == "GB":
-            return f"{size:g} {unit}"
+            return f"{size:.3g} {unit}"
         size /= 1024
     raise AssertionError("unreachable")
 

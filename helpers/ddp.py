@@ -39,3 +39,147 @@ def flat(tensors: list[torch.Tensor]) -> torch.Tensor:
 def max_abs_diff(a: object, b: object) -> float:
     """Largest absolute difference between two equally long sequences of numbers."""
     return (torch.as_tensor(a, dtype=torch.float64) - torch.as_tensor(b, dtype=torch.float64)).abs().max().item()
+
+
+def single_process_reference(global_batch: int, steps: int, lr: float = 0.1, seed: int = 0) -> dict:
+    """What one process computes on the same global batches as ddp_equivalence.py.
+
+    Returns the first step's gradient and the weights after `steps` plain SGD steps.
+    """
+    from helpers.data import load
+    from helpers.models import build_model
+
+    train_set, _ = load(train=True, limit=global_batch * steps)
+    torch.manual_seed(seed)
+    model = build_model("simple")
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    first_gradient = None
+    for images, labels in torch.utils.data.DataLoader(train_set, batch_size=global_batch):
+        loss = nn.functional.cross_entropy(model(images), labels)
+        optimizer.zero_grad()
+        loss.backward()
+        if first_gradient is None:
+            first_gradient = flat([p.grad for p in model.parameters()])
+        optimizer.step()
+    return {"first_gradient": first_gradient, "final_weights": flat(list(model.parameters())),
+            "checksum": parameter_checksum(model)}
+
+
+# ---------------------------------------------------------------- the article's tutorial, as printed
+
+ARTICLE = WORKERS / "ddp_article_original.py"
+ARTICLE_FIXES = {
+    "imports": [("import torch.multiprocessing as mp\n",
+                 "import torch.multiprocessing as mp\nimport os\nimport torch.optim as optim\n")],
+    "gloo": [('dist.init_process_group("nccl"', 'dist.init_process_group("gloo"')],
+    "data": [("from torchvision import datasets, transforms", "from helpers.data import load"),
+             ("    transform = transforms.Compose([transforms.ToTensor()])\n", ""),
+             ("datasets.MNIST(root='./data', train=True, download=True, transform=transform)",
+              "load(train=True)[0]")],
+    "cpu": [("create_model().to(rank)", "create_model()"), ("DDP(model, device_ids=[rank])", "DDP(model)"),
+            ("data.to(rank), target.to(rank)", "data, target")],
+    "port": [("    os.environ['MASTER_ADDR'] = 'localhost'  # noqa: F821\n", ""),
+             ("    os.environ['MASTER_PORT'] = '12355'  # noqa: F821\n", "")],
+}
+
+
+def article_source(fixes: list[str] | tuple[str, ...] = ()) -> str:
+    """The article's tutorial with the named fixes applied (see ARTICLE_FIXES)."""
+    text = ARTICLE.read_text()
+    for name in fixes:
+        for old, new in ARTICLE_FIXES[name]:
+            if old not in text:
+                raise ValueError(f"fix {name!r}: {old!r} not found in {ARTICLE.name}")
+            text = text.replace(old, new)
+    return text
+
+
+def undefined_names(source: str) -> list[str]:
+    """Names a module reads but never imports, defines or assigns (what `import os` would fix)."""
+    tree = ast.parse(source)
+    defined = set(dir(builtins))
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            defined |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+        elif isinstance(node, ast.arg):
+            defined.add(node.arg)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            defined.add(node.id)
+    used = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)}
+    return sorted(used - defined)
+
+
+def last_error_line(text: str) -> str:
+    """The final 'SomeError: message' line of a traceback, without machine paths."""
+    lines = [line.strip() for line in str(text).splitlines() if re.match(r"^\s*[\w.]+(Error|Exception)\b", line)]
+    line = lines[-1] if lines else str(text).strip().splitlines()[-1]
+    return re.sub(r"(from )?'?/[^\s'>]*'?", "", line).replace(" >", ">").strip()
+
+
+def capture_child_stderr():
+    """Context manager: what child processes write to stderr goes to a string (`.text` afterwards).
+
+    mp.spawn's children print their tracebacks straight to file descriptor 2, past Jupyter.
+    """
+    import contextlib
+    import os
+    import tempfile
+
+    class Captured:
+        text = ""
+
+    @contextlib.contextmanager
+    def capturing():
+        captured = Captured()
+        sys.stderr.flush()
+        saved = os.dup(2)
+        with tempfile.TemporaryFile(mode="w+") as sink:
+            os.dup2(sink.fileno(), 2)
+            try:
+                yield captured
+            finally:
+                os.dup2(saved, 2)
+                os.close(saved)
+                sink.seek(0)
+                captured.text = sink.read()
+
+    return capturing()
+
+
+# ---------------------------------------------------------------- the exercise
+
+def check_ddp_worker(script: str | Path, nproc: int = 2) -> bool:
+    """Launch the learner's DDP version of ddp_exercise_single.py and say what is right or missing."""
+    from helpers.launch import WorkerFailed, launch
+
+    script = Path(script)
+    if not script.is_file():
+        print(f"{script} does not exist yet: write your DDP worker there first.")
+        return False
+    reference = launch(WORKERS / "ddp_exercise_single.py", nproc=1, echo=False).results[0]
+    try:
+        run = launch(script, nproc=nproc, echo=False, timeout=120)
+    except WorkerFailed as error:
+        print(f"Your script failed on {nproc} ranks: {last_error_line(error)}")
+        return False
+    if sorted(run.results) != list(range(nproc)) or any("weights" not in r for r in run.results.values()):
+        print("Every rank must call result(weights=..., samples_seen=...) as the original script does.")
+        return False
+    seen = [run.results[rank]["samples_seen"] for rank in range(nproc)]
+    share = reference["samples_seen"] // nproc
+    checks = [
+        (all(s == share for s in seen), f"each rank trained on its own {share} of the "
+         f"{reference['samples_seen']} samples", f"ranks saw {seen} samples, not {share} each: shard "
+         f"the data with DistributedSampler"),
+        (all(max_abs_diff(run.results[r]["weights"], run.results[0]["weights"]) == 0 for r in range(nproc)),
+         "every rank ends with identical weights", "the ranks' weights differ: wrap the model in DDP"),
+        (max_abs_diff(run.results[0]["weights"], reference["weights"]) < 1e-5,
+         "the weights match the single-process run (max abs diff < 1e-5)",
+         "the weights differ from the single-process run: use per-rank batch = GLOBAL_BATCH // "
+         "world_size and DistributedSampler(shuffle=False)"),
+    ]
+    for passed, good, bad in checks:
+        print(("PASS: " + good) if passed else ("NOT YET: " + bad))
+    return all(passed for passed, _, _ in checks)

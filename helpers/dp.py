@@ -168,7 +168,7 @@ def single_device_gradients(module: nn.Module, inputs: torch.Tensor, targets: to
 
 def max_abs_diff(first: Sequence[torch.Tensor], second: Sequence[torch.Tensor]) -> float:
     """The largest elementwise difference between two lists of tensors."""
-    return max(float((a - b).abs().max()) for a, b in zip(first, second))
+    return max(float((a - b).detach().abs().max()) for a, b in zip(first, second))
 
 
 def check_reduce(reduce: Callable[[Sequence[nn.Module]], None]) -> bool:
@@ -197,7 +197,7 @@ def check_reduce(reduce: Callable[[Sequence[nn.Module]], None]) -> bool:
 
 # ---------------------------------------------------------------------------- DDP: counting all-reduce calls
 
-def deep_mlp(depth: int = 8, width: int = 512, classes: int = 10) -> nn.Module:
+def deep_mlp(depth: int = 16, width: int = 256, classes: int = 10) -> nn.Module:
     """A model with many equal layers, so that gradient buckets have something to split."""
     layers: list[nn.Module] = [nn.Flatten(), nn.Linear(28 * 28, width), nn.ReLU()]
     for _ in range(depth - 2):
@@ -228,3 +228,33 @@ def counting_allreduce_hook(state: AllreduceCounter, bucket: dist.GradBucket) ->
     state.bucket_numels.append(bucket.buffer().numel())
     state.launch_times.append(time.perf_counter())
     return default_hooks.allreduce_hook(state.process_group, bucket)
+
+
+def median_seconds(step: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:
+    """Median wall-clock seconds of step() (after warm-up calls), synchronising CUDA if it is in use."""
+    for _ in range(warmup):
+        step()
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+    return sorted(seconds)[len(seconds) // 2]
+
+
+def data_parallel_step_ms(model: nn.Module, global_batch: int = 64, repeats: int = 5) -> float:
+    """Milliseconds per training step of nn.DataParallel(model) on every visible GPU (CPU: pass-through)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    wrapped = nn.DataParallel(model.to(device))
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.01)
+    images = torch.rand(global_batch, 1, 28, 28, device=device)
+    labels = torch.randint(0, 10, (global_batch,), device=device)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(wrapped(images), labels).backward()
+        optimizer.step()
+
+    return 1000 * median_seconds(step, repeats)

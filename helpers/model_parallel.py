@@ -34,6 +34,18 @@ def mlp(width: int, hidden_layers: int, seed: int = 0) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
+def split_stages(model: nn.Sequential, parts: int) -> list[nn.Sequential]:
+    """Cut a Sequential into `parts` consecutive stages holding about equal numbers of parameters."""
+    sizes = [sum(p.numel() for p in layer.parameters()) for layer in model]
+    total, bounds, running = sum(sizes), [0], 0
+    for index, size in enumerate(sizes):
+        running += size
+        if len(bounds) < parts and running >= total * len(bounds) / parts:
+            bounds.append(index + 1)
+    bounds.append(len(model))
+    return [model[start:end] for start, end in zip(bounds, bounds[1:])]
+
+
 def zero_bytes_per_rank(n_params: int, world_size: int, stage: int,
                         bytes_per_param: dict[str, int] = FP32_ADAM) -> dict[str, float]:
     """Bytes of parameters, gradients and optimizer state on each rank for ZeRO stage 0 (DDP) to 3."""
@@ -57,11 +69,11 @@ def bubble_fraction(stages: int, microbatches: int) -> float:
 
 def held_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes these tensors occupy on this rank (only the local shard of a sharded DTensor)."""
-    total = 0
-    for tensor in tensors:
-        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-        total += local.numel() * local.element_size()
-    return total
+    return sum(_local(tensor).numel() * tensor.element_size() for tensor in tensors)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 class SavedActivations:
@@ -75,7 +87,7 @@ class SavedActivations:
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
         # Looked up now: FSDP swaps in gathered (unsharded) weights only while a layer runs.
-        weights = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        weights = {_local(p).untyped_storage().data_ptr() for p in self.model.parameters()}
         # A tensor saved twice (a ReLU output is also the next Linear's input) is held once.
         if storage.data_ptr() not in weights | self._seen:
             self._seen.add(storage.data_ptr())
@@ -162,3 +174,21 @@ def plot_timeline(events: Sequence[dict[str, Any]], *, title: str, ax: Any = Non
               labels=list(colours), loc="upper right", fontsize="small")
     ax.grid(axis="x", alpha=0.3)
     return ax
+
+
+def check_smallest_stage(smallest_stage: Any) -> bool:
+    """Exercise check: does smallest_stage(n_params, world_size, gpu_bytes) pick the right ZeRO stage?"""
+    cases = [(1_300_000_000, 1, 24e9), (1_500_000_000, 8, 16e9), (7_000_000_000, 8, 40e9),
+             (7_000_000_000, 8, 30e9), (7_000_000_000, 8, 24e9), (70_000_000_000, 64, 80e9),
+             (70_000_000_000, 8, 80e9)]
+    for n_params, world_size, gpu_bytes in cases:
+        expected = next((stage for stage in ZERO_STAGES
+                         if sum(zero_bytes_per_rank(n_params, world_size, stage, MIXED_ADAM).values())
+                         <= gpu_bytes), None)
+        got = smallest_stage(n_params, world_size, gpu_bytes)
+        if got != expected:
+            print(f"Not yet: {n_params / 1e9:g}B parameters on {world_size} ranks of {gpu_bytes / 1e9:g} GB "
+                  f"gave {got!r}, expected {expected!r}.")
+            return False
+    print(f"Correct: smallest_stage picks the right ZeRO stage in all {len(cases)} cases.")
+    return True

@@ -73,3 +73,30 @@ def plot_lines(series: Mapping[str, tuple[Sequence[float], Sequence[float]]], *,
     ax.legend()
     ax.grid(alpha=0.3, which="both")
     return ax
+
+
+def plot_process_model(workers: Sequence[Mapping[str, Any]], title: str = "One job, as torchrun starts it") -> plt.Axes:
+    """Nodes as boxes, one worker process per slot, each labelled with its ranks (from a real run).
+
+    `workers`: one mapping per process with node, LOCAL_RANK, RANK and WORLD_SIZE (whoami.py's results).
+    """
+    nodes = sorted({int(w["node"]) for w in workers})
+    per_node = max(sum(int(w["node"]) == n for w in workers) for n in nodes)
+    fig, ax = plt.subplots(figsize=(2.9 * len(nodes) + 0.6, 2.2 + 0.9 * per_node), dpi=80)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for column, node in enumerate(nodes):
+        x = 0.3 + column * 2.9
+        ax.add_patch(plt.Rectangle((x, 0.6), 2.6, 0.9 * per_node + 0.6, fill=False, lw=1.5))
+        ax.text(x + 1.3, 0.9 * per_node + 1.35, f"node {node} (one torchrun agent)", ha="center", fontsize=9)
+        mine = sorted((w for w in workers if int(w["node"]) == node), key=lambda w: int(w["LOCAL_RANK"]))
+        for row, w in enumerate(mine):
+            y = 0.9 * per_node + 0.2 - 0.9 * row
+            ax.add_patch(plt.Rectangle((x + 0.2, y - 0.3), 2.2, 0.7, color=colours[int(w["RANK"]) % 10], alpha=0.25))
+            ax.text(x + 1.3, y + 0.05, f"process: RANK {w['RANK']}\nLOCAL_RANK {w['LOCAL_RANK']}",
+                    ha="center", va="center", fontsize=9)
+    world = workers[0]["WORLD_SIZE"]
+    ax.text(0.3, 0.2, f"WORLD_SIZE = {world}: every process meets the others at the rendezvous "
+            f"(MASTER_ADDR:MASTER_PORT)", fontsize=9)
+    ax.set(xlim=(0, 0.3 + 2.9 * len(nodes)), ylim=(0, 0.9 * per_node + 1.7), title=title)
+    ax.axis("off")
+    return ax

@@ -29,9 +29,10 @@ from helpers.worker import progress, report, result
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["simple", "cnn"], default="simple")
-    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=32, help="per rank")
-    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--steps", type=int, default=0, help="stop each epoch after this many steps (0: all)")
     parser.add_argument("--checkpoint", default="", help="save here every epoch; resume from it if present")
     parser.add_argument("--seed", type=int, default=0)
@@ -77,7 +78,7 @@ def main() -> None:
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
 
     model = DDP(build_model(args.model).to(device))  # DDP broadcasts rank 0's weights to every rank
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     start_epoch = 0
     checkpoint = Path(args.checkpoint) if args.checkpoint else None
     if checkpoint and checkpoint.exists():  # every rank reads the same file onto its own device

@@ -1,6 +1,6 @@
 """Sweep DDP's bucket_cap_mb: how many all-reduce calls per step, and how long a step takes.
 
-    torchrun --standalone --nproc-per-node 2 helpers/workers/dpddp_buckets.py --caps 0.25 1 4 25
+    torchrun --standalone --nproc-per-node 2 helpers/workers/dpddp_buckets.py --caps 0.1 0.5 1 25
 
 For each bucket cap, wraps the same deep MLP in DDP, counts the all-reduce calls with a comm hook
 (one call per bucket) and times a few training steps after warm-up. gloo on CPU, nccl on GPUs.
@@ -34,8 +34,8 @@ def time_steps(model: DDP, images: torch.Tensor, labels: torch.Tensor, steps: in
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--caps", type=float, nargs="+", default=[0.25, 1, 4, 25])
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--caps", type=float, nargs="+", default=[0.1, 0.5, 1, 25])
+    parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--per-rank-batch", type=int, default=32)
     args = parser.parse_args()
 
@@ -52,7 +52,7 @@ def main() -> None:
         model = DDP(deep_mlp().to(device), bucket_cap_mb=cap)
         counter = AllreduceCounter()
         model.register_comm_hook(counter, counting_allreduce_hook)
-        time_steps(model, images, labels, steps=2)  # warm-up: DDP rebuilds its buckets after step 1
+        time_steps(model, images, labels, steps=1)  # warm-up: DDP rebuilds its buckets after step 1
         counter.reset()
         seconds = time_steps(model, images, labels, args.steps)
         calls_per_step = counter.calls / args.steps

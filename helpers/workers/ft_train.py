@@ -5,9 +5,9 @@
 
 --checkpoint PATH      save there every --checkpoint-every steps, and resume from it at start-up
 --fail-rank/--fail-step  make one rank fail once, in the first attempt, at that step:
---fail-mode crash      the process is killed (SIGKILL), as when a machine or GPU dies
+--fail-mode crash      the process raises an error, as when its GPU fails
 --fail-mode hang       the process stops answering; the others time out after --timeout seconds
---fail-mode mid-save   rank 0 is killed halfway through writing a checkpoint
+--fail-mode mid-save   rank 0 is killed (SIGKILL) halfway through writing the checkpoint of that step
 Without --checkpoint a restart starts again from step 0. Works with one process, gloo or nccl.
 """
 import argparse
@@ -41,34 +41,53 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def fail(mode: str, state: dict, checkpoint: str | None) -> None:
-    """Simulate a failure; only in the first attempt, so that the restarted group can finish."""
-    if mode == "hang":
-        print(f"rank {dist.get_rank()}: stops answering (a stuck GPU, a frozen machine)")
-        time.sleep(3600)
-    if mode == "mid-save":
-        data = _serialized(state)
-        with open(temporary_path(checkpoint), "wb") as file:
-            file.write(data[: len(data) // 2])  # half a checkpoint, then the power goes out
-            file.flush()
+def failing_now(args: argparse.Namespace, rank: int, step: int) -> bool:
+    """Fail once, in the first attempt only, so that the restarted group can finish."""
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    return first_attempt and rank == args.fail_rank and step == args.fail_step
+
+
+def fail(mode: str) -> None:
+    if mode == "crash":
+        raise RuntimeError(f"rank {dist.get_rank()}: simulated hardware failure")
+    print(f"rank {dist.get_rank()}: stops answering (a stuck GPU, a frozen machine)")
+    time.sleep(3600)
+
+
+def die_while_saving(state: dict, checkpoint: str) -> None:
+    """Write half of the checkpoint where save_checkpoint writes first, then get killed."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    with open(temporary_path(checkpoint), "wb") as file:
+        file.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _serialized(state: dict) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    return buffer.getvalue()
+def init_distributed(backend: str, timeout: timedelta) -> None:
+    """init_process_group on a store prefixed by the attempt number.
+
+    After a restart torchrun hands the new workers the same store as the first attempt; with plain
+    env:// a new rank 0 can read the dead attempt's addresses and fail to connect. A prefix per
+    attempt keeps the rounds apart.
+    """
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=rank == 0 and not agent_hosts_store, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend, store=dist.PrefixStore(f"attempt_{attempt}", store),
+                            rank=rank, world_size=world_size, timeout=timeout)
 
 
 def main() -> None:
     args = parse_args()
     use_cuda = torch.cuda.is_available()
     # The timeout bounds every collective: a silent peer becomes an error, not an endless hang.
-    dist.init_process_group(backend="nccl" if use_cuda else "gloo", timeout=timedelta(seconds=args.timeout))
+    init_distributed("nccl" if use_cuda else "gloo", timedelta(seconds=args.timeout))
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
     torch.manual_seed(0)  # same initial weights on every rank
     model = DDP(SimpleModel().to(device), device_ids=[local_rank] if use_cuda else None)
@@ -93,10 +112,8 @@ def main() -> None:
         for batch_index, (images, labels) in enumerate(loader):
             if batch_index < skip:
                 continue
-            if attempt == 0 and rank == args.fail_rank and step == args.fail_step:
-                snapshot = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
-                            "rng": rng_state(), "step": step}
-                fail(args.fail_mode, snapshot, args.checkpoint)
+            if failing_now(args, rank, step) and args.fail_mode != "mid-save":
+                fail(args.fail_mode)
             loss = torch.nn.functional.cross_entropy(model(images.to(device)), labels.to(device))
             optimizer.zero_grad()
             loss.backward()  # DDP all-reduces the gradients here: every rank must take part
@@ -106,9 +123,11 @@ def main() -> None:
             progress(step, total=args.steps)
             if args.checkpoint and rank == 0 and step % args.checkpoint_every == 0:
                 # One writer is enough: after the all-reduce every rank holds the same weights.
-                save_checkpoint(args.checkpoint, {"model": model.module.state_dict(),
-                                                  "optimizer": optimizer.state_dict(),
-                                                  "rng": rng_state(), "step": step})
+                state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
+                         "rng": rng_state(), "step": step}
+                if failing_now(args, rank, step) and args.fail_mode == "mid-save":
+                    die_while_saving(state, args.checkpoint)
+                save_checkpoint(args.checkpoint, state)
                 print(f"step {step}: checkpoint saved")
             if step == args.steps:
                 break

@@ -1,11 +1,12 @@
 """Where the memory goes: bytes of parameters, gradients, Adam state and activations held on each rank.
 
-    torchrun --standalone --nproc-per-node 2 helpers/workers/mp_memory.py --mode fsdp
+    torchrun --standalone --nproc-per-node 2 helpers/workers/mp_memory.py --modes ddp zero1 fsdp
 
---mode ddp:   every rank holds everything (ZeRO stage 0).
---mode zero1: ZeroRedundancyOptimizer, each rank keeps Adam's state for its share of the parameters.
---mode fsdp:  FSDP2 `fully_shard`, each rank keeps a shard of parameters, gradients and Adam state.
-One training step on random data, then each rank counts what its tensors hold. Works with one process.
+ddp:   every rank holds everything (ZeRO stage 0).
+zero1: ZeroRedundancyOptimizer, each rank keeps Adam's state for its share of the parameters.
+fsdp:  FSDP2 `fully_shard`, each rank keeps a shard of parameters, gradients and Adam state.
+For each mode: one training step on random data, then each rank counts what its tensors hold.
+Works with one process.
 """
 import argparse
 import os
@@ -42,9 +43,28 @@ def adam_moments(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
             if key in ("exp_avg", "exp_avg_sq")]
 
 
+def measure(mode: str, args: argparse.Namespace, rank: int, world_size: int,
+            device: torch.device) -> dict[str, int]:
+    """One training step in this mode; then the bytes this rank's tensors hold."""
+    model = mlp(args.width, args.hidden_layers).to(device)
+    model, optimizer = wrap(model, mode, device)
+    per_rank_batch = args.global_batch // world_size
+    generator = torch.Generator().manual_seed(rank)
+    images = torch.rand(per_rank_batch, 1, 28, 28, generator=generator).to(device)
+    labels = torch.randint(0, 10, (per_rank_batch,), generator=generator).to(device)
+    with SavedActivations(model) as saved:
+        logits = model(images)
+    nn.functional.cross_entropy(logits, labels).backward()
+    optimizer.step()
+    return {"params": held_bytes(model.parameters()),
+            "grads": held_bytes(p.grad for p in model.parameters() if p.grad is not None),
+            "optimizer": held_bytes(adam_moments(optimizer)),
+            "activations": saved.bytes}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mode", choices=["ddp", "zero1", "fsdp"], default="ddp")
+    parser.add_argument("--modes", nargs="+", choices=["ddp", "zero1", "fsdp"], default=["ddp", "zero1", "fsdp"])
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--hidden-layers", type=int, default=3)
     parser.add_argument("--global-batch", type=int, default=64)
@@ -57,25 +77,11 @@ def main() -> None:
     if use_cuda:
         torch.cuda.set_device(device)
 
-    model = mlp(args.width, args.hidden_layers).to(device)
-    n_params = sum(p.numel() for p in model.parameters())
-    model, optimizer = wrap(model, args.mode, device)
-
-    per_rank_batch = args.global_batch // world_size
-    generator = torch.Generator().manual_seed(rank)
-    images = torch.rand(per_rank_batch, 1, 28, 28, generator=generator).to(device)
-    labels = torch.randint(0, 10, (per_rank_batch,), generator=generator).to(device)
-    with SavedActivations(model) as saved:
-        logits = model(images)
-    nn.functional.cross_entropy(logits, labels).backward()
-    optimizer.step()
-
-    held = {"params": held_bytes(model.parameters()),
-            "grads": held_bytes(p.grad for p in model.parameters() if p.grad is not None),
-            "optimizer": held_bytes(adam_moments(optimizer)),
-            "activations": saved.bytes}
-    print(f"rank {rank} ({args.mode}): " + ", ".join(f"{k} {v / 1e6:.3f} MB" for k, v in held.items()))
-    result(n_params=n_params, per_rank_batch=per_rank_batch, world_size=world_size, **held)
+    held = {mode: measure(mode, args, rank, world_size, device) for mode in args.modes}
+    for mode, parts in held.items():
+        print(f"rank {rank} {mode:>5}: " + ", ".join(f"{k} {v / 1e6:.3f} MB" for k, v in parts.items()))
+    n_params = sum(p.numel() for p in mlp(args.width, args.hidden_layers).parameters())
+    result(n_params=n_params, per_rank_batch=args.global_batch // world_size, world_size=world_size, **held)
     dist.destroy_process_group()
 
 

@@ -12,6 +12,7 @@ each other: updates are asynchronous. With one process the server trains alone.
 """
 import argparse
 import threading
+import time
 
 import torch
 import torch.distributed.autograd as dist_autograd
@@ -36,7 +37,9 @@ class ParameterServer:
         self.model = SimpleModel()
 
     def parameters(self) -> list[torch.Tensor]:
-        return list(self.model.parameters())
+        # Views, not the parameters themselves: distributed autograd links a tensor that crosses
+        # the wire to the graph only when it has a grad_fn, and a leaf parameter has none.
+        return [p.view_as(p) for p in self.model.parameters()]
 
     def parameter_rrefs(self) -> list[rpc.RRef]:
         return [rpc.RRef(p) for p in self.model.parameters()]
@@ -53,12 +56,14 @@ def get_server() -> ParameterServer:
 
 def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
     server = rpc.remote(worker_name(0), get_server)
-    optimizer = DistributedOptimizer(torch.optim.SGD, server.rpc_sync().parameter_rrefs(), lr=args.lr)
+    optimizer = DistributedOptimizer(torch.optim.SGD, server.rpc_sync().parameter_rrefs(),
+                                     lr=args.lr, momentum=0.9)
     names = [name for name, _ in SimpleModel().named_parameters()]
     shape_only = SimpleModel()  # the local module holds no state we use: only its forward code
     trainer, trainers = max(rank - 1, 0), max(world_size - 1, 1)
+    started = time.perf_counter()
     for step, (images, labels) in enumerate(trainer_batches(trainer, trainers, args.batch_size, args.steps)):
-        if step == args.crash_at_step:
+        if rank == args.crash_rank and step == args.crash_step:
             raise RuntimeError(f"{worker_name(rank)} crashed at step {step} (simulated)")
         with dist_autograd.context() as context_id:
             parameters = server.rpc_sync().parameters()  # pull
@@ -68,15 +73,16 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
             optimizer.step(context_id)  # the server updates its model with this context's gradients
         report(step=step, loss=loss.item())
         progress(step + 1, total=args.steps)
-    result(steps=args.steps)
+    result(steps=args.steps, seconds=time.perf_counter() - started)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=40, help="steps per trainer")
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=0.2)
-    parser.add_argument("--crash-at-step", type=int, default=-1, help="a trainer dies here (demo)")
+    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--crash-rank", type=int, default=-1, help="this trainer dies (failure demo)")
+    parser.add_argument("--crash-step", type=int, default=5, help="...at this step")
     args = parser.parse_args()
     rank, world_size = start_rpc()
     if rank != 0 or world_size == 1:

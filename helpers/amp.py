@@ -1,0 +1,229 @@
+"""Mixed precision in small, checkable pieces (taught in notebooks/04_amp.ipynb).
+
+    from helpers.amp import format_facts, plot_formats, gradients_of, underflow_fraction
+    from helpers.amp import layer_dtypes, op_dtypes, check_amp_train_step
+
+Number formats, the gradients that fp16 loses, which ops autocast lowers, and the check for the
+lesson's exercise. The training runs themselves are worker scripts (helpers/workers/amp_*.py).
+"""
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import matplotlib.pyplot as plt
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from helpers.plots import FIGSIZE
+
+FORMATS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def format_facts() -> dict[str, dict[str, float | int]]:
+    """Bits, range and precision of fp32, fp16 and bf16, straight from torch.finfo."""
+    facts = {}
+    for name, dtype in FORMATS.items():
+        info = torch.finfo(dtype)
+        mantissa_bits = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}[dtype]
+        facts[name] = {
+            "bits": info.bits,
+            "exponent bits": info.bits - 1 - mantissa_bits,
+            "mantissa bits": mantissa_bits,
+            "largest": info.max,
+            "smallest normal": info.tiny,
+            "smallest subnormal": info.smallest_normal * 2.0 ** -mantissa_bits,
+            "epsilon (gap after 1.0)": info.eps,
+        }
+    return facts
+
+
+def plot_formats(ax: plt.Axes | None = None) -> plt.Axes:
+    """Each format's range on a log axis: subnormals (thin), normal numbers (thick), and epsilon."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=FIGSIZE, dpi=80, layout="constrained")
+    for row, (name, fact) in enumerate(format_facts().items()):
+        low, normal, high = (torch.tensor(fact[k]).log10().item()
+                             for k in ("smallest subnormal", "smallest normal", "largest"))
+        ax.plot([low, normal], [row, row], lw=3, color=f"C{row}", alpha=0.5)
+        ax.plot([normal, high], [row, row], lw=10, color=f"C{row}", solid_capstyle="butt")
+        ax.text(high + 1, row, f"max {fact['largest']:.3g}, eps {fact['epsilon (gap after 1.0)']:.1g}",
+                va="center", fontsize=9)
+    ax.set_yticks(range(len(FORMATS)), list(FORMATS))
+    ax.set(xlabel="log10 |value|", title="Representable magnitudes (thin = subnormal, less precise)",
+           xlim=(-48, 60))
+    ax.grid(axis="x", alpha=0.3)
+    return ax
+
+
+def train_briefly(epochs: int = 30, seed: int = 0, batch: int = 64) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """The article's SimpleModel trained in fp32 on the lesson's digits: late-training gradients are small."""
+    from helpers.data import load
+    from helpers.models import SimpleModel
+
+    torch.manual_seed(seed)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: one thread is as fast, and robust on a busy machine
+    images, labels = load(train=True)[0].tensors
+    model = SimpleModel()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(epochs):
+        for start in range(0, len(images), batch):
+            loss = F.cross_entropy(model(images[start:start + batch]), labels[start:start + batch])
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    torch.set_num_threads(threads)
+    return model, images, labels
+
+
+def gradients_of(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Every non-zero gradient one fp32 backward pass computes: of the weights, and of each layer's output."""
+    activation_grads: list[torch.Tensor] = []
+
+    def keep_output_grad(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+        output.register_hook(lambda grad: activation_grads.append(grad.detach().flatten()))
+
+    handles = [m.register_forward_hook(keep_output_grad) for m in model.modules() if isinstance(m, nn.Linear)]
+    model.zero_grad()
+    F.cross_entropy(model(images), labels).backward()
+    for handle in handles:
+        handle.remove()
+    grads = {"weight gradients": torch.cat([p.grad.flatten() for p in model.parameters()]),
+             "activation gradients": torch.cat(activation_grads)}
+    return {name: g[g != 0] for name, g in grads.items()}
+
+
+def underflow_fraction(values: torch.Tensor, dtype: torch.dtype = torch.float16, scale: float = 1.0) -> float:
+    """Fraction of non-zero fp32 values that become exactly 0 when multiplied by `scale` and cast to `dtype`."""
+    values = values[values != 0]
+    return ((values * scale).to(dtype) == 0).float().mean().item()
+
+
+def largest_safe_scale(values: torch.Tensor, dtype: torch.dtype = torch.float16) -> float:
+    """The largest power of two that keeps every scaled value finite in `dtype` (what GradScaler hunts for)."""
+    exponent = torch.floor(torch.log2(torch.finfo(dtype).max / values.abs().max())).item()
+    return 2.0 ** exponent
+
+
+def plot_gradient_histogram(grads: torch.Tensor, scales: dict[str, float],
+                            ax: plt.Axes | None = None) -> plt.Axes:
+    """Histogram of log2|gradient| after each scale, with the fp16 limits drawn in."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=FIGSIZE, dpi=80, layout="constrained")
+    info = torch.finfo(torch.float16)
+    for name, scale in scales.items():
+        ax.hist(torch.log2(grads.abs() * scale).numpy(), bins=80, alpha=0.5, label=name)
+    ax.axvline(-24, color="k", ls="--", lw=1)
+    ax.axvline(torch.log2(torch.tensor(info.tiny)).item(), color="k", ls=":", lw=1)
+    ax.axvline(torch.log2(torch.tensor(info.max)).item(), color="r", ls="--", lw=1)
+    ax.text(-24.5, ax.get_ylim()[1] * 0.9, "fp16 zero below", ha="right", fontsize=8)
+    ax.text(15.5, ax.get_ylim()[1] * 0.9, "fp16 inf above", fontsize=8, color="r")
+    ax.set(xlabel="log2 |gradient|", ylabel="count", title="Gradients against fp16's range")
+    ax.legend(loc="upper left", fontsize=8)
+    return ax
+
+
+def layer_dtypes(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, device_type: str = "cpu",
+                 dtype: torch.dtype = torch.bfloat16) -> list[tuple[str, str, str]]:
+    """(layer, kind, output dtype) for every leaf layer and the loss, in one autocast forward pass."""
+    seen: list[tuple[str, str, str]] = []
+
+    def record(name: str) -> Callable:
+        return lambda module, inputs, output: seen.append((name, type(module).__name__, str(output.dtype)))
+
+    handles = [module.register_forward_hook(record(name)) for name, module in model.named_modules()
+               if len(list(module.children())) == 0]
+    with torch.autocast(device_type=device_type, dtype=dtype):
+        loss = F.cross_entropy(model(images), labels)
+    for handle in handles:
+        handle.remove()
+    return seen + [("loss", "cross_entropy", str(loss.dtype))]
+
+
+def op_dtypes(device_type: str = "cpu", dtype: torch.dtype = torch.bfloat16) -> dict[str, str]:
+    """Output dtype of single ops under autocast: which run lowered, which autocast sends back to fp32."""
+    a, b = torch.rand(8, 8, device=device_type), torch.rand(8, 8, device=device_type)
+    targets = torch.zeros(8, dtype=torch.long, device=device_type)
+    with torch.autocast(device_type=device_type, dtype=dtype):
+        low = a @ b  # a lowered tensor: the ops below show whether they keep it low or go back to fp32
+        ops = {
+            "matmul (a @ b)": low,
+            "linear": F.linear(a, b),
+            "relu": F.relu(low),
+            "exp": torch.exp(low),
+            "sum": low.sum(),
+            "softmax": torch.softmax(low, dim=1),
+            "log_softmax": F.log_softmax(low, dim=1),
+            "layer_norm": F.layer_norm(low, (8,)),
+            "mse_loss": F.mse_loss(low, b),
+            "cross_entropy": F.cross_entropy(low, targets),
+            "add lowered + fp32 (type promotion)": low + a,
+        }
+    return {name: str(out.dtype) for name, out in ops.items()}
+
+
+# ---------------------------------------------------------------------------- the exercise
+
+def _reference_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+                    images: torch.Tensor, labels: torch.Tensor, max_norm: float) -> float:
+    with torch.autocast(device_type="cpu", dtype=torch.float16):
+        loss = F.cross_entropy(model(images), labels)
+    optimizer.zero_grad()
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    scaler.step(optimizer)
+    scaler.update()
+    return loss.item()
+
+
+def _setup(init_scale: float, seed: int = 0) -> tuple:
+    from helpers.models import SimpleModel
+
+    torch.manual_seed(seed)
+    model = SimpleModel()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    images, labels = torch.rand(32, 1, 28, 28), torch.randint(0, 10, (32,))
+    return model, optimizer, torch.amp.GradScaler("cpu", init_scale=init_scale), images, labels
+
+
+def _same(model_a: nn.Module, model_b: nn.Module) -> bool:
+    return all(torch.allclose(p, q, atol=1e-6, rtol=0) for p, q in zip(model_a.parameters(), model_b.parameters()))
+
+
+def check_amp_train_step(train_step: Callable, max_norm: float = 0.1) -> bool:
+    """Run `train_step(model, optimizer, scaler, images, labels, max_norm)` against the correct AMP step.
+
+    Prints what is right or wrong and returns True only if every check passes."""
+    problems = []
+    for case, init_scale in (("a normal step", 2.0 ** 8), ("an overflowing step", 2.0 ** 60)):
+        model, optimizer, scaler, images, labels = _setup(init_scale)
+        ref_model, ref_scaler = copy.deepcopy(model), torch.amp.GradScaler("cpu", init_scale=init_scale)
+        ref_optimizer = torch.optim.SGD(ref_model.parameters(), lr=0.5)
+        before = copy.deepcopy(model)
+        autocast_seen: list[bool] = []
+        model.register_forward_hook(lambda *_: autocast_seen.append(torch.is_autocast_enabled("cpu")))
+        train_step(model, optimizer, scaler, images, labels, max_norm)
+        _reference_step(ref_model, ref_optimizer, ref_scaler, images, labels, max_norm)
+        if not autocast_seen or not all(autocast_seen):
+            problems.append(f"{case}: the forward pass did not run under torch.autocast")
+        if scaler.get_scale() != ref_scaler.get_scale():
+            problems.append(f"{case}: scale is {scaler.get_scale():g}, expected {ref_scaler.get_scale():g}"
+                            " (scale the loss with scaler.scale(loss) and call scaler.update() once per step)")
+        if not all(torch.isfinite(p).all() for p in model.parameters()):
+            problems.append(f"{case}: weights became inf/NaN (step with scaler.step(optimizer), which skips"
+                            " the step when gradients overflowed)")
+        elif case == "an overflowing step" and not _same(model, before):
+            problems.append(f"{case}: weights changed although the gradients overflowed")
+        elif not _same(model, ref_model):
+            problems.append(f"{case}: weights differ from the correct step (unscale with"
+                            " scaler.unscale_(optimizer) before clip_grad_norm_, so that max_norm applies"
+                            " to the true gradients)")
+    for problem in dict.fromkeys(problems):
+        print("Not yet:", problem)
+    if not problems:
+        print("Correct: autocast forward, scaled backward, unscale_ before clipping, "
+              "skipped step on overflow, scale updated.")
+    return not problems

@@ -1,0 +1,32 @@
+"""Small demonstrations the lessons run in the notebook kernel itself (not in workers)."""
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from typing import Callable
+
+
+def mp_spawn_from_notebook(function: Callable, nprocs: int = 2, args: tuple = ()) -> None:
+    """Run the source article's ``mp.spawn(function, ...)`` and, when it fails, raise a short error
+    with the child's own last error line (children write it to the kernel's stderr, which a notebook
+    never shows, so we catch it in a file)."""
+    import torch.multiprocessing as mp
+
+    # spawn logs "Terminating process <pid>" while cleaning up; the short error below says it all
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+    with tempfile.TemporaryFile(mode="w+") as capture:
+        saved = os.dup(2)
+        os.dup2(capture.fileno(), 2)
+        try:
+            mp.spawn(function, args=args, nprocs=nprocs, join=True)
+        except Exception as error:
+            os.dup2(saved, 2)
+            capture.seek(0)
+            lines = [line for line in capture.read().splitlines() if line.strip()]
+            child = lines[-1] if lines else "(no message)"
+            raise RuntimeError(f"mp.spawn failed: {str(error).strip().splitlines()[0]}; "
+                               f"the child process said: {child}") from None
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)

@@ -1,0 +1,66 @@
+"""Watch a GradScaler at work: the loss scale every step, growth, and a skipped step with backoff.
+
+    torchrun --standalone --nproc-per-node 1 helpers/workers/amp_scaler.py --spike-step 19
+
+fp16 autocast on the GPU when there is one, else on the CPU. At --spike-step the loss is multiplied
+by --spike (a stand-in for one bad batch): the scaled gradients overflow fp16, the scaler sees
+inf/NaN, skips optimizer.step() and halves the scale. Every --growth-interval clean steps in a
+row, it doubles the scale again. Gradients are unscaled before clipping, so max_norm means what it says.
+"""
+import argparse
+
+import torch
+from torch.nn import functional as F
+
+from helpers.data import load
+from helpers.models import build_model
+from helpers.worker import progress, report, result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--init-scale", type=float, default=2.0**10)
+    parser.add_argument("--growth-interval", type=int, default=8)
+    parser.add_argument("--spike-step", type=int, default=19)
+    parser.add_argument("--spike", type=float, default=1e6)
+    parser.add_argument("--max-norm", type=float, default=1.0)
+    args = parser.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    torch.manual_seed(0)
+    images, labels = load(train=True)[0].tensors
+    model = build_model("simple").to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler(device.type, init_scale=args.init_scale,
+                                  growth_interval=args.growth_interval)
+
+    skipped = []
+    for step in range(args.steps):
+        index = torch.randint(len(images), (64,))
+        x, y = images[index].to(device), labels[index].to(device)
+        with torch.autocast(device.type, dtype=torch.float16):
+            loss = F.cross_entropy(model(x), y)
+        if step == args.spike_step:
+            loss = loss * args.spike
+        optimizer.zero_grad(set_to_none=True)
+        scale = scaler.get_scale()
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)  # true gradients now, so clipping and the norm below are meaningful
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm).item()
+        scaler.step(optimizer)  # skips optimizer.step() if any gradient is inf/NaN
+        scaler.update()  # halves the scale after a skip; doubles it after growth_interval clean steps
+        was_skipped = scaler.get_scale() < scale
+        if was_skipped:
+            skipped.append(step)
+        report(step=step, scale=scale, loss=loss.item(), grad_norm=grad_norm, skipped=was_skipped)
+        progress(step + 1, total=args.steps)
+
+    print(f"skipped steps: {skipped}, final scale {scaler.get_scale():g}")
+    result(skipped=skipped, final_scale=scaler.get_scale())
+
+
+if __name__ == "__main__":
+    main()

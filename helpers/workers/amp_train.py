@@ -1,0 +1,78 @@
+"""Train one model in fp32, bf16 or fp16 (+ GradScaler) and report time per step, accuracy, memory.
+
+    torchrun --standalone --nproc-per-node 1 helpers/workers/amp_train.py --precision bf16
+    torchrun --standalone --nproc-per-node 1 helpers/workers/amp_train.py --precision fp16 --steps 200
+
+Runs on the GPU when there is one, else on the CPU. Only the forward pass changes between
+precisions (torch.autocast); the weights, gradients and optimizer state stay fp32 throughout.
+fp16 needs a GradScaler (its range is narrow); bf16 has fp32's range and does not.
+"""
+import argparse
+import statistics
+import time
+
+import torch
+from torch.nn import functional as F
+
+from helpers.data import load
+from helpers.models import build_model
+from helpers.worker import progress, report, result
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def evaluate(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> float:
+    images, labels = load(train=False)[0].tensors
+    with torch.no_grad(), torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+        predictions = model(images.to(device)).argmax(dim=1)
+    return (predictions.cpu() == labels).float().mean().item()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--precision", choices=list(DTYPES), default="fp32")
+    parser.add_argument("--model", default="cnn")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--batch", type=int, default=32)
+    args = parser.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = DTYPES[args.precision]
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # one core per run: timings then compare on a shared 2-core machine
+    torch.manual_seed(0)
+    images, labels = load(train=True)[0].tensors
+    model = build_model(args.model).to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
+    # enabled=False turns every scaler call into a pass-through, so one loop serves all precisions.
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+    step_times = []
+    for step in range(args.steps):
+        index = torch.randint(len(images), (args.batch,))
+        x, y = images[index].to(device), labels[index].to(device)
+        start = time.perf_counter()
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            loss = F.cross_entropy(model(x), y)
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # GPU work is asynchronous: wait for it before reading the clock
+        step_times.append(time.perf_counter() - start)
+        report(step=step, loss=loss.item())
+        progress(step + 1, total=args.steps)
+
+    accuracy = evaluate(model, device, dtype)
+    peak_mb = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None
+    ms_per_step = 1000 * statistics.median(step_times[3:])  # the first steps pay one-off setup costs
+    print(f"{args.precision} on {device.type}: {ms_per_step:.1f} ms/step, test accuracy {accuracy:.3f}")
+    result(precision=args.precision, device=device.type, ms_per_step=ms_per_step, accuracy=accuracy,
+           final_loss=loss.item(), peak_memory_mb=peak_mb)
+
+
+if __name__ == "__main__":
+    main()

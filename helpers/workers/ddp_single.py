@@ -1,0 +1,77 @@
+"""Train on one process: the starting point that ddp_train.py turns into data-parallel training.
+
+    python helpers/workers/ddp_single.py --epochs 2
+
+Same model, data, optimizer and logging as ddp_train.py, with nothing distributed: compare the
+two files to see exactly what DistributedDataParallel needs.
+"""
+import argparse
+import itertools
+import time
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from helpers.data import load
+from helpers.ddp import parameter_checksum
+from helpers.models import build_model
+from helpers.worker import progress, report, result
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=["simple", "cnn"], default="simple")
+    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--steps", type=int, default=0, help="stop each epoch after this many steps (0: all)")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args()
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, device: torch.device) -> float:
+    """Test accuracy over the whole test set."""
+    test_set, _ = load(train=False)
+    correct = total = 0
+    model.eval()
+    for images, labels in DataLoader(test_set, batch_size=256):
+        predictions = model(images.to(device)).argmax(dim=1)
+        correct, total = correct + (predictions == labels.to(device)).sum().item(), total + len(labels)
+    model.train()
+    return correct / total
+
+
+def main() -> None:
+    args = parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(args.seed)
+    train_set, source = load(train=True)
+    loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True)
+
+    model = build_model(args.model).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    print(f"one process, data: {source}, batch {args.batch_size}")
+
+    steps_per_epoch = min(len(loader), args.steps or len(loader))
+    step, started = 0, time.perf_counter()
+    for epoch in range(args.epochs):
+        for images, labels in itertools.islice(loader, steps_per_epoch):
+            loss = nn.functional.cross_entropy(model(images.to(device)), labels.to(device))
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            report(step=step, loss=loss.item(), epoch=epoch)
+            step += 1
+            progress(step, total=args.epochs * steps_per_epoch)
+        accuracy = evaluate(model, device)
+        print(f"epoch {epoch}: last loss {loss.item():.3f}, test accuracy {accuracy:.3f}")
+
+    result(checksum=parameter_checksum(model), steps=step, data=source,
+           train_seconds=time.perf_counter() - started, accuracy=accuracy)
+
+
+if __name__ == "__main__":
+    main()

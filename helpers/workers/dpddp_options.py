@@ -1,0 +1,96 @@
+"""Three DDP options, measured: find_unused_parameters, static_graph, gradient_as_bucket_view.
+
+    torchrun --standalone --nproc-per-node 2 helpers/workers/dpddp_options.py
+
+For each setting: median milliseconds per step, and how many separate gradient buffers exist
+(gradient_as_bucket_view makes each .grad a view into DDP's bucket, so gradients are not stored
+twice). Last, a model with a branch it never uses, without find_unused_parameters: DDP waits for
+gradients that never come and says so on the next iteration. gloo on CPU, nccl on GPUs.
+"""
+import argparse
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from helpers.dp import deep_mlp
+from helpers.worker import result
+
+SETTINGS = {
+    "default": {},
+    "find_unused_parameters": {"find_unused_parameters": True},
+    "static_graph": {"static_graph": True},
+    "gradient_as_bucket_view": {"gradient_as_bucket_view": True},
+}
+
+
+class WithUnusedBranch(nn.Module):
+    """A model whose `spare` layer takes no part in the loss (like a head used only sometimes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.spare = nn.Linear(8, 4), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def median_step_ms(model: DDP, images: torch.Tensor, labels: torch.Tensor, steps: int) -> float:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    seconds = []
+    for _ in range(steps + 2):  # two warm-up steps: DDP settles its buckets (and static graph) first
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=False)  # keep .grad tensors, so bucket views stay views
+        torch.nn.functional.cross_entropy(model(images), labels).backward()
+        optimizer.step()
+        if images.is_cuda:
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+    return 1000 * sorted(seconds[2:])[steps // 2]
+
+
+def unused_branch_error(device: torch.device) -> str:
+    """Train two steps with an unused layer and default settings; return DDP's complaint."""
+    model = DDP(WithUnusedBranch().to(device))
+    try:
+        for _ in range(2):
+            model(torch.rand(4, 8, device=device)).sum().backward()
+    except RuntimeError as error:
+        return str(error).split(". ")[0] + "."
+    return "no error"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--per-rank-batch", type=int, default=32)
+    args = parser.parse_args()
+
+    use_cuda = torch.cuda.is_available()
+    dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+    rank = dist.get_rank()
+    device = torch.device(f"cuda:{int(os.environ['LOCAL_RANK'])}" if use_cuda else "cpu")
+    torch.manual_seed(rank)
+    images = torch.rand(args.per_rank_batch, 1, 28, 28, device=device)
+    labels = torch.randint(0, 10, (args.per_rank_batch,), device=device)
+
+    for name, options in SETTINGS.items():
+        torch.manual_seed(0)
+        model = DDP(deep_mlp().to(device), **options)
+        step_ms = median_step_ms(model, images, labels, args.steps)
+        grads = [p.grad for p in model.parameters()]
+        storages = len({g.untyped_storage().data_ptr() for g in grads})
+        grad_mb = sum(g.numel() * g.element_size() for g in grads) / 2**20
+        result(**{name: {"step_ms": step_ms, "grad_storages": storages, "parameters": len(grads),
+                         "grad_mb": round(grad_mb, 2)}})
+        if rank == 0:
+            print(f"{name}: {step_ms:.1f} ms per step, gradients in {storages} buffers")
+    result(unused_error=unused_branch_error(device))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""FSDP2: each rank keeps a shard of every layer; layers are all-gathered to run, gradients reduce-scattered.
+
+    torchrun --standalone --nproc-per-node 2 helpers/workers/mp_fsdp.py --steps 3
+
+`fully_shard` is applied to every Linear layer, then to the whole model. Each rank prints the shapes
+it holds, counts the all-gathers and reduce-scatters of each step (by wrapping the two functions FSDP
+calls), and trains a DDP copy on the same data to check that parameters stay equal. Works with one process.
+"""
+import argparse
+import os
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from helpers.model_parallel import mlp
+from helpers.worker import report, result
+
+traffic: Counter = Counter()
+
+
+def count_calls(name: str, full_size_arg: str) -> None:
+    """Replace dist.<name> by a wrapper that counts calls and the bytes of the full (unsharded) tensor."""
+    original = getattr(dist, name)
+
+    def counted(*args, **kwargs):
+        full = kwargs[full_size_arg] if full_size_arg in kwargs else args[0 if full_size_arg == "output" else 1]
+        traffic[f"{name} calls"] += 1
+        traffic[f"{name} bytes"] += full.numel() * full.element_size()
+        return original(*args, **kwargs)
+
+    setattr(dist, name, counted)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--hidden-layers", type=int, default=1)
+    parser.add_argument("--global-batch", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args()
+
+    # FSDP2 calls these two at run time (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py).
+    count_calls("all_gather_single", "output")
+    count_calls("reduce_scatter_single", "input")
+    use_cuda = torch.cuda.is_available()
+    dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    device = torch.device(f"cuda:{int(os.environ['LOCAL_RANK'])}" if use_cuda else "cpu")
+
+    model = mlp(args.width, args.hidden_layers).to(device)
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    ddp_model = DDP(mlp(args.width, args.hidden_layers).to(device))  # same seed: same starting weights
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    ddp_optimizer = torch.optim.Adam(ddp_model.parameters(), lr=1e-3)
+    shards = {name: {"full": list(p.shape), "local": list(p.to_local().shape)}
+              for name, p in model.named_parameters()}
+
+    per_rank_batch = args.global_batch // world_size
+    generator = torch.Generator().manual_seed(rank)  # each rank its own data, as in DDP
+    per_step = []
+    for step in range(args.steps):
+        images = torch.rand(per_rank_batch, 1, 28, 28, generator=generator).to(device)
+        labels = torch.randint(0, 10, (per_rank_batch,), generator=generator).to(device)
+        traffic.clear()
+        loss = nn.functional.cross_entropy(model(images), labels)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        per_step.append(dict(traffic))
+        ddp_loss = nn.functional.cross_entropy(ddp_model(images), labels)
+        ddp_loss.backward()
+        ddp_optimizer.step()
+        ddp_optimizer.zero_grad()
+        report(step=step, loss=loss.item(), ddp_loss=ddp_loss.item())
+
+    # full_tensor() all-gathers a sharded parameter: the check itself is one more collective per tensor.
+    max_diff = max((p.full_tensor() - q).abs().max().item()
+                   for p, q in zip(model.parameters(), ddp_model.parameters()))
+    result(shards=shards, traffic=per_step, max_param_diff=max_diff,
+           n_params=sum(q.numel() for q in ddp_model.parameters()))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""A parameter server that applies updates in batches, with @rpc.functions.async_execution.
+
+    torchrun --standalone --nproc-per-node 3 helpers/workers/rpc_batched_server.py --steps 40
+
+Rank 0 is the server ("ps"); the other ranks are trainers that compute gradients on their own copy
+of the model and send them with one RPC per step. The server's update_and_fetch_model returns a
+Future at once, freeing its RPC thread; when `--batch-updates` gradients (default: one from every
+trainer) have arrived it averages them, takes one optimizer step and completes the Future, which
+sends the new model back to every waiting trainer. `--batch-updates 1` applies each push at once.
+"""
+import argparse
+import threading
+import time
+
+import torch
+import torch.distributed.rpc as rpc
+import torch.nn.functional as F
+
+from helpers.models import SimpleModel
+from helpers.rpc_ps import accuracy, start_rpc, trainer_batches, worker_name
+from helpers.worker import progress, report, result
+
+_server = None
+_server_lock = threading.Lock()
+
+
+class BatchUpdateParameterServer:
+    def __init__(self, batch_updates: int, lr: float) -> None:
+        torch.manual_seed(0)
+        self.model = SimpleModel()
+        for p in self.model.parameters():
+            p.grad = torch.zeros_like(p)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr, momentum=0.9)
+        self.batch_updates, self.arrived = batch_updates, 0
+        self.lock = threading.Lock()  # pushes arrive on several RPC threads at once
+        self.next_model = torch.futures.Future()
+        self.optimizer_steps = 0
+
+    def get_model(self) -> torch.nn.Module:
+        return self.model  # pickled: the trainer gets a copy
+
+    @staticmethod
+    @rpc.functions.async_execution
+    def update_and_fetch_model(server_rref: rpc.RRef, grads: list[torch.Tensor]) -> torch.futures.Future:
+        self = server_rref.local_value()
+        with self.lock:
+            for p, grad in zip(self.model.parameters(), grads):
+                p.grad += grad
+            self.arrived += 1
+            future = self.next_model
+            if self.arrived == self.batch_updates:
+                for p in self.model.parameters():
+                    p.grad /= self.batch_updates
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=False)
+                self.optimizer_steps += 1
+                self.arrived, self.next_model = 0, torch.futures.Future()
+                future.set_result(self.model)  # answers every trainer that waited for this batch
+        return future
+
+
+def get_server(batch_updates: int, lr: float) -> BatchUpdateParameterServer:
+    """Run on the server by rpc.remote: every trainer gets an RRef to the same object."""
+    global _server
+    with _server_lock:
+        if _server is None:
+            _server = BatchUpdateParameterServer(batch_updates, lr)
+        return _server
+
+
+def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
+    trainers = max(world_size - 1, 1)
+    server = rpc.remote(worker_name(0), get_server, args=(args.batch_updates or trainers, args.lr))
+    model = server.rpc_sync().get_model()
+    started = time.perf_counter()
+    batches = trainer_batches(max(rank - 1, 0), trainers, args.batch_size, args.steps)
+    for step, (images, labels) in enumerate(batches):
+        model.zero_grad()
+        loss = F.cross_entropy(model(images), labels)
+        loss.backward()
+        grads = [p.grad for p in model.parameters()]
+        model = rpc.rpc_sync(server.owner(), BatchUpdateParameterServer.update_and_fetch_model,
+                             args=(server, grads))
+        report(step=step, loss=loss.item())
+        progress(step + 1, total=args.steps)
+    result(steps=args.steps, seconds=time.perf_counter() - started)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=40, help="steps per trainer")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--batch-updates", type=int, default=0, help="pushes per update (0: all trainers)")
+    args = parser.parse_args()
+    rank, world_size = start_rpc()
+    if rank != 0 or world_size == 1:
+        train(rank, world_size, args)
+    rpc.shutdown()
+    if rank == 0:
+        result(test_accuracy=accuracy(_server.model), optimizer_steps=_server.optimizer_steps)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""Lesson 01's workers and helpers, with real launches at the smallest size that shows the behaviour."""
+from pathlib import Path
+
+import pytest
+
+from helpers import launch
+from helpers.collectives import (bandwidth_rows, bus_factor, check_all_gather, fit_latency_bandwidth,
+                                 format_bytes, owner)
+
+WORKERS = Path(__file__).resolve().parent.parent / "helpers" / "workers"
+
+
+def test_tour_gives_every_collective_its_documented_result():
+    run = launch(WORKERS / "collectives_tour.py", nproc=2, echo=False)
+    seen = {rank: run.results[rank]["tensors"] for rank in (0, 1)}
+    assert seen[1]["send/recv"]["after"] == [1.0, 2.0, 3.0, 4.0]
+    assert seen[0]["isend/irecv"]["after"] == [11.0, 12.0, 13.0, 14.0]
+    assert seen[1]["broadcast"]["after"] == [1.0, 2.0, 3.0, 4.0]
+    assert seen[0]["reduce"]["after"] == [12.0, 14.0, 16.0, 18.0]
+    assert all(seen[r]["all_reduce"]["after"] == [12.0, 14.0, 16.0, 18.0] for r in (0, 1))
+    assert seen[0]["reduce_scatter"]["after"] == [12.0, 14.0] and seen[1]["reduce_scatter"]["after"] == [16.0, 18.0]
+    assert all(seen[r]["all_gather"]["after"] == [12.0, 14.0, 16.0, 18.0] for r in (0, 1))
+    barrier = [run.results[r]["barrier"] for r in (0, 1)]
+    assert min(t["left"] for t in barrier) >= max(t["arrived"] for t in barrier)
+
+
+@pytest.mark.parametrize("nproc, numel", [(1, 3000), (3, 3001)])  # 3001: chunks of unequal size
+def test_hand_written_ring_matches_all_reduce_and_sends_the_ring_share(nproc, numel):
+    run = launch(WORKERS / "collectives_ring.py", nproc=nproc, args=["--numel", numel], echo=False)
+    for rank in range(nproc):
+        outcome = run.results[rank]
+        assert outcome["max_abs_diff"] < 1e-5
+        share = bus_factor(nproc) * outcome["tensor_bytes"]
+        assert abs(outcome["bytes_sent"] - share) <= 2 * (nproc - 1) * 4  # at most a float per step
+
+
+def test_bandwidth_sweep_returns_one_time_per_size():
+    run = launch(WORKERS / "collectives_bandwidth.py", nproc=2, echo=False,
+                 args=["--min-bytes", 1024, "--max-bytes", 16384, "--repeats", 2])
+    assert run.results[0]["sizes"] == [1024, 4096, 16384]
+    assert len(run.results[0]["seconds"]) == 3 and all(t > 0 for t in run.results[0]["seconds"])
+    assert [row["bytes"] for row in run.metrics if row["rank"] == 1] == [1024, 4096, 16384]
+
+
+def test_exercise_check_accepts_the_solution_and_rejects_a_stub(tmp_path, capsys):
+    assert check_all_gather(WORKERS / "collectives_all_gather_solution.py")
+    cheat = tmp_path / "cheat.py"
+    cheat.write_text("import torch.distributed as dist\ndist.all_gather([], None)\n")
+    assert not check_all_gather(cheat)
+    assert "without calling dist.all_gather" in capsys.readouterr().out
+
+
+def test_fit_recovers_latency_and_bandwidth():
+    sizes = [1024 * 4**i for i in range(9)]
+    latency, bandwidth = fit_latency_bandwidth(sizes, [50e-6 + size / 2e9 for size in sizes])
+    assert latency == pytest.approx(50e-6, rel=1e-6) and bandwidth == pytest.approx(2e9, rel=1e-6)
+
+
+def test_bus_bandwidth_and_small_helpers():
+    assert [bus_factor(n) for n in (1, 2, 4, 8)] == [0.0, 1.0, 1.5, 1.75]
+    row = bandwidth_rows([1_000_000], [0.001], world_size=4)[0]
+    assert row["algbw GB/s"] == pytest.approx(1.0) and row["busbw GB/s"] == pytest.approx(1.5)
+    assert [format_bytes(s) for s in (512, 1024, 64 * 2**20)] == ["512 B", "1 KB", "64 MB"]
+    assert owner(23, world_size=4, length=4) == 2 and owner(64, world_size=4, length=4) is None

@@ -1,0 +1,109 @@
+"""Checkpoints (helpers.checkpoint) and the crash/resume worker (ft_train.py), with real launches."""
+from __future__ import annotations
+
+import io
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import WorkerFailed, launch
+from helpers.checkpoint import (
+    check_atomic_save,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+    temporary_path,
+)
+
+TRAIN = Path(__file__).resolve().parent.parent / "helpers" / "workers" / "ft_train.py"
+SMALL = ["--steps", "6", "--checkpoint-every", "2", "--per-rank-batch", "16"]
+
+
+@pytest.fixture(autouse=True)
+def _runs_in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def reference_weights(tmp_path_factory) -> torch.Tensor:
+    """Final weights of an undisturbed run: what every resumed run must reproduce."""
+    run = launch(TRAIN, nproc=2, args=SMALL, echo=False, log_dir=tmp_path_factory.mktemp("reference"))
+    return torch.tensor(run.results[0]["parameters"])
+
+
+def test_save_then_load_round_trips_and_leaves_no_temporary_file(tmp_path):
+    state = {"weight": torch.randn(5), "step": 3, "rng": rng_state()}
+    save_checkpoint(tmp_path / "sub" / "ckpt.pt", state)
+    loaded = load_checkpoint(tmp_path / "sub" / "ckpt.pt")
+    assert torch.equal(loaded["weight"], state["weight"]) and loaded["step"] == 3
+    assert not temporary_path(tmp_path / "sub" / "ckpt.pt").exists()
+    assert load_checkpoint(tmp_path / "missing.pt") is None
+
+
+def test_rng_state_restores_every_generator():
+    saved = rng_state()
+    expected = (torch.rand(3), random.random())
+    buffer = io.BytesIO()
+    torch.save(saved, buffer)  # through a file, as a resume does
+    buffer.seek(0)
+    set_rng_state(torch.load(buffer, weights_only=True))
+    assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
+
+
+def test_atomic_save_passes_the_exercise_check_and_a_plain_save_does_not(tmp_path):
+    assert check_atomic_save(save_checkpoint, tmp_path)
+    assert not check_atomic_save(lambda state, path: torch.save(state, path), tmp_path / "naive")
+
+
+def test_weights_only_refuses_code_in_a_checkpoint(tmp_path):
+    class Payload:
+        def __reduce__(self):
+            return (print, ("ran",))
+
+    torch.save({"model": Payload()}, tmp_path / "evil.pt")
+    with pytest.raises(Exception, match="Weights only load failed"):
+        load_checkpoint(tmp_path / "evil.pt")
+
+
+def test_a_crash_without_restarts_ends_the_job_naming_the_rank():
+    with pytest.raises(WorkerFailed) as caught:
+        launch(TRAIN, nproc=2, args=[*SMALL, "--fail-rank", "1", "--fail-step", "3"], echo=False)
+    assert caught.value.rank == 1 and "simulated hardware failure" in str(caught.value)
+    assert max(step for step, _ in caught.value.run.metric("loss", rank=0)) == 3
+
+
+def test_a_hung_rank_becomes_a_timeout_error_not_a_hang():
+    with pytest.raises(WorkerFailed) as caught:
+        launch(TRAIN, nproc=2, args=[*SMALL, "--fail-rank", "1", "--fail-step", "1", "--fail-mode", "hang",
+                                     "--timeout", "3"], echo=False, timeout=120)
+    assert caught.value.rank == 0 and "Timed out waiting 3000ms" in str(caught.value)
+
+
+def test_restart_resumes_from_the_checkpoint_and_ends_with_the_same_weights(reference_weights, tmp_path):
+    run = launch(TRAIN, nproc=2, max_restarts=1, echo=False,
+                 args=[*SMALL, "--checkpoint", tmp_path / "ckpt.pt", "--fail-rank", "1", "--fail-step", "3"])
+    assert run.attempts == 2 and "attempt 1: world size 2, starting at step 2" in run.logs[0]
+    assert "----- restart: attempt 1 -----" in run.logs[0]
+    assert len(list(run.log_dir.glob("elastic_node0/*/attempt_*"))) == 2
+    assert torch.equal(torch.tensor(run.results[0]["parameters"]), reference_weights)
+
+
+def test_a_kill_in_the_middle_of_a_checkpoint_write_keeps_the_previous_checkpoint(reference_weights, tmp_path):
+    checkpoint = tmp_path / "ckpt.pt"
+    run = launch(TRAIN, nproc=2, max_restarts=1, echo=False,
+                 args=[*SMALL, "--checkpoint", checkpoint, "--fail-rank", "0", "--fail-step", "4",
+                       "--fail-mode", "mid-save"])
+    # rank 0 died (SIGKILL) with half of the step-4 checkpoint written; the restart used step 2's
+    assert run.attempts == 2 and "attempt 1: world size 2, starting at step 2" in run.logs[0]
+    assert torch.equal(torch.tensor(run.results[0]["parameters"]), reference_weights)
+    assert load_checkpoint(checkpoint)["step"] == 6
+
+
+def test_without_a_checkpoint_a_restart_starts_again_from_step_zero():
+    run = launch(TRAIN, nproc=2, max_restarts=1, echo=False,
+                 args=[*SMALL, "--fail-rank", "1", "--fail-step", "3"])
+    assert "attempt 1: world size 2, starting at step 0" in run.logs[0]
+    assert run.results[0]["steps"] == 6
