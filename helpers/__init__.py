@@ -9,7 +9,7 @@ Importing this package is cheap: torch is imported by the workers and the launch
 """
 from helpers.launch import LaunchTimeout, Run, WorkerFailed, free_port, launch, start, wait
 
-__all__ = ["launch", "start", "wait", "free_port", "Run", "WorkerFailed", "LaunchTimeout", "load_ipython_extension"]
+__all__ = ["LaunchTimeout", "Run", "WorkerFailed", "free_port", "launch", "load_ipython_extension", "start", "wait"]
 
 
 def load_ipython_extension(ipython) -> None:

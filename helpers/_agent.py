@@ -23,7 +23,7 @@ def _torchrun_argv(spec: dict) -> list[str]:
             f"--start-method={'spawn' if spec['fresh'] else 'fork'}",
             f"--shutdown-timeout={spec['stop_grace']}", f"--monitor-interval={spec['monitor_interval']}"]
     argv += spec["torchrun_argv"]
-    return argv + [spec["script"], *spec["args"]]
+    return [*argv, spec["script"], *spec["args"]]
 
 
 def _failures(error) -> dict:

@@ -52,7 +52,7 @@ class _Tail:
         lines = data.split(b"\n")
         self.partial = lines.pop()
         if final and self.partial:
-            lines, self.partial = lines + [self.partial], b""
+            lines, self.partial = [*lines, self.partial], b""
         return [line.decode("utf-8", "replace") for line in lines]
 
 
@@ -201,5 +201,5 @@ class LiveView:
 
 def _bar(rank: int, done: int, total: int, width: int = 30) -> str:
     share = min(max(done / total, 0.0), 1.0) if total else 0.0
-    filled = int(round(share * width))
+    filled = round(share * width)
     return f"rank {rank} |{'█' * filled}{'░' * (width - filled)}| {done}/{total}"

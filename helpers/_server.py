@@ -33,8 +33,8 @@ def _start_agent(spec: dict) -> int:
     code = 3
     try:
         os.setpgid(0, 0)
-        from helpers._bootstrap import die_with_parent
         from helpers._agent import run_agent
+        from helpers._bootstrap import die_with_parent
 
         die_with_parent()
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
@@ -78,9 +78,9 @@ def main() -> None:
     die_with_parent(signal.SIGTERM)
     signal.signal(signal.SIGTERM, _kill_all)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the kernel handles interrupts and tells us
-    import torch  # noqa: F401  (the point of this process: pay for it once)
-    import torch.distributed.run  # noqa: F401
-    import torch.nn  # noqa: F401
+    import torch
+    import torch.distributed.run
+    import torch.nn
     import torch.optim  # noqa: F401
 
     import helpers._agent  # noqa: F401

@@ -43,7 +43,7 @@ def plot_formats(ax: plt.Axes | None = None) -> plt.Axes:
     """Each format's range on a log axis: subnormals (thin), normal numbers (thick), and epsilon."""
     if ax is None:
         _, ax = plt.subplots(figsize=FIGSIZE, dpi=80, layout="constrained")
-    for row, (name, fact) in enumerate(format_facts().items()):
+    for row, fact in enumerate(format_facts().values()):
         low, normal, high = (torch.tensor(fact[k]).log10().item()
                              for k in ("smallest subnormal", "smallest normal", "largest"))
         ax.plot([low, normal], [row, row], lw=3, color=f"C{row}", alpha=0.5)
@@ -139,7 +139,7 @@ def layer_dtypes(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, d
         loss = F.cross_entropy(model(images), labels)
     for handle in handles:
         handle.remove()
-    return seen + [("loss", "cross_entropy", str(loss.dtype))]
+    return [*seen, ("loss", "cross_entropy", str(loss.dtype))]
 
 
 def op_dtypes(device_type: str = "cpu", dtype: torch.dtype = torch.bfloat16) -> dict[str, str]:
@@ -190,39 +190,42 @@ def _setup(init_scale: float, seed: int = 0) -> tuple:
 
 
 def _same(model_a: nn.Module, model_b: nn.Module) -> bool:
-    return all(torch.allclose(p, q, atol=1e-6, rtol=0) for p, q in zip(model_a.parameters(), model_b.parameters()))
+    pairs = zip(model_a.parameters(), model_b.parameters(), strict=True)
+    return all(torch.allclose(p, q, atol=1e-6, rtol=0) for p, q in pairs)
 
 
 def check_amp_train_step(train_step: Callable, max_norm: float = 0.1) -> bool:
     """Run `train_step(model, optimizer, scaler, images, labels, max_norm)` against the correct AMP step.
 
     Prints what is right or wrong and returns True only if every check passes."""
-    problems = []
+    problems: dict[str, list[str]] = {}  # what is wrong -> in which cases
     for case, init_scale in (("a normal step", 2.0 ** 8), ("an overflowing step", 2.0 ** 60)):
         model, optimizer, scaler, images, labels = _setup(init_scale)
         ref_model, ref_scaler = copy.deepcopy(model), torch.amp.GradScaler("cpu", init_scale=init_scale)
         ref_optimizer = torch.optim.SGD(ref_model.parameters(), lr=0.5)
         before = copy.deepcopy(model)
         autocast_seen: list[bool] = []
-        model.register_forward_hook(lambda *_: autocast_seen.append(torch.is_autocast_enabled("cpu")))
+        model.register_forward_hook(lambda *_, seen=autocast_seen: seen.append(torch.is_autocast_enabled("cpu")))
         train_step(model, optimizer, scaler, images, labels, max_norm)
         _reference_step(ref_model, ref_optimizer, ref_scaler, images, labels, max_norm)
+        found = []
         if not autocast_seen or not all(autocast_seen):
-            problems.append(f"{case}: the forward pass did not run under torch.autocast")
+            found.append("the forward pass did not run under torch.autocast")
         if scaler.get_scale() != ref_scaler.get_scale():
-            problems.append(f"{case}: scale is {scaler.get_scale():g}, expected {ref_scaler.get_scale():g}"
-                            " (scale the loss with scaler.scale(loss) and call scaler.update() once per step)")
+            found.append(f"the scale is {scaler.get_scale():g}, expected {ref_scaler.get_scale():g} (scale the"
+                         " loss with scaler.scale(loss), and call scaler.update() once per step)")
         if not all(torch.isfinite(p).all() for p in model.parameters()):
-            problems.append(f"{case}: weights became inf/NaN (step with scaler.step(optimizer), which skips"
-                            " the step when gradients overflowed)")
+            found.append("weights became inf/NaN (step with scaler.step(optimizer): it skips the step when"
+                         " the gradients overflowed)")
         elif case == "an overflowing step" and not _same(model, before):
-            problems.append(f"{case}: weights changed although the gradients overflowed")
-        elif not _same(model, ref_model):
-            problems.append(f"{case}: weights differ from the correct step (unscale with"
-                            " scaler.unscale_(optimizer) before clip_grad_norm_, so that max_norm applies"
-                            " to the true gradients)")
-    for problem in dict.fromkeys(problems):
-        print("Not yet:", problem)
+            found.append("weights changed although the gradients overflowed (use scaler.step(optimizer))")
+        elif case == "a normal step" and not _same(model, ref_model):
+            found.append("weights differ from the correct step (call scaler.unscale_(optimizer) before"
+                         " clip_grad_norm_, so that max_norm applies to the true gradients)")
+        for problem in found:
+            problems.setdefault(problem, []).append(case)
+    for problem, cases in problems.items():
+        print(f"Not yet ({' and '.join(cases)}): {problem}")
     if not problems:
         print("Correct: autocast forward, scaled backward, unscale_ before clipping, "
               "skipped step on overflow, scale updated.")

@@ -17,7 +17,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.patches import Rectangle
 
-from helpers.launch import Run, WorkerFailed, launch
+from helpers.launch import LaunchTimeout, Run, WorkerFailed, launch
 
 RANK_COLOURS = plt.get_cmap("tab10").colors
 COMBINED_COLOUR = "0.75"  # a number made by adding several ranks' numbers
@@ -77,7 +77,7 @@ def draw_collectives(run: Run, operations: Sequence[str], unspecified: dict[str,
     world_size = len(run.results)
     _, axes = plt.subplots(rows, 2, figsize=(10, rows * (0.6 + 0.45 * world_size)), dpi=80,
                            layout="constrained", squeeze=False)
-    for ax, operation in zip(axes.flat, operations):
+    for ax, operation in zip(axes.flat, operations, strict=False):
         draw_collective(run, operation, ax=ax, unspecified=(unspecified or {}).get(operation, ()))
     for ax in axes.flat[len(operations):]:
         ax.axis("off")
@@ -91,7 +91,7 @@ def draw_barrier(run: Run, ax: plt.Axes | None = None) -> plt.Axes:
     start = min(t["arrived"] for t in times)
     if ax is None:
         _, ax = plt.subplots(figsize=(6.4, 0.6 + 0.4 * len(ranks)), dpi=80, layout="constrained")
-    for rank, t in zip(ranks, times):
+    for rank, t in zip(ranks, times, strict=True):
         arrived, left = (t["arrived"] - start) * 1e3, (t["left"] - start) * 1e3
         ax.barh(rank, max(left - arrived, 1.0), left=arrived, color=RANK_COLOURS[rank % 10], alpha=0.7)
         ax.plot([arrived], [rank], "k|", markersize=12)
@@ -112,7 +112,8 @@ def bus_factor(world_size: int) -> float:
 def bandwidth_rows(sizes: Sequence[int], seconds: Sequence[float], world_size: int) -> list[dict[str, float]]:
     """Per size: time, algorithm bandwidth (bytes / time) and bus bandwidth (algbw x 2(N-1)/N), in GB/s."""
     return [{"bytes": size, "ms": t * 1e3, "algbw GB/s": size / t / 1e9,
-             "busbw GB/s": size / t / 1e9 * bus_factor(world_size)} for size, t in zip(sizes, seconds)]
+             "busbw GB/s": size / t / 1e9 * bus_factor(world_size)}
+            for size, t in zip(sizes, seconds, strict=True)]
 
 
 def fit_latency_bandwidth(sizes: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]:
@@ -135,7 +136,7 @@ def format_bytes(size: float) -> str:
     raise AssertionError("unreachable")
 
 
-def check_all_gather(script: str | Path, nproc: int = 3) -> bool:
+def check_all_gather(script: str | Path, nproc: int = 3, timeout: float = 60) -> bool:
     """The exercise: does `script` build all_gather from point-to-point ops? Prints why or why not.
 
     The script must give rank r the tensor [10r, 10r+1, 10r+2], build the gathered list without
@@ -146,10 +147,16 @@ def check_all_gather(script: str | Path, nproc: int = 3) -> bool:
         print("Not yet: build it from send/recv (or isend/irecv), without calling dist.all_gather.")
         return False
     try:
-        run = launch(script, nproc=nproc, echo=False, timeout=60)
+        run = launch(script, nproc=nproc, echo=False, timeout=timeout)
+    except LaunchTimeout:
+        print(f"Not yet: the script was still running after {timeout:g} s. A deadlock? "
+              "(two ranks that both block in send, each waiting for the other to receive)")
+        return False
     except WorkerFailed as error:
-        lines = [line for line in str(error).splitlines() if line.strip()]
-        print(f"Not yet: rank {error.rank} failed. Last line of its traceback:\n  {lines[-2].strip()}")
+        # the exception's own line, not the rank number: which rank fails first varies between runs
+        raised = [line.strip() for line in str(error).splitlines()
+                  if re.match(r"\w+(Error|Exception)\b", line)]
+        print(f"Not yet: the script failed with {raised[-1] if raised else 'an error (see the logs)'}")
         return False
     expected = [[10.0 * rank + i for i in range(3)] for rank in range(nproc)]
     for rank in range(nproc):

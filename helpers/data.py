@@ -51,7 +51,7 @@ def prepare(root: Path = DATA_ROOT, timeout: float = 10.0) -> str:
         except Exception as error:  # offline, blocked, or a mirror is down
             if choice == "mnist":
                 raise RuntimeError(f"LESSONS_DATA=mnist but MNIST could not be downloaded into "
-                                   f"{root}: {error}. Unset LESSONS_DATA to use the shipped digits.")
+                                   f"{root}: {error}. Unset LESSONS_DATA to use the shipped digits.") from error
         finally:
             socket.setdefaulttimeout(previous)
     source = MNIST_NAME if choice != "digits" and _mnist_present(root) else DIGITS_NAME

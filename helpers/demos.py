@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-from typing import Callable
+from collections.abc import Callable
 
 
 def mp_spawn_from_notebook(function: Callable, nprocs: int = 2, args: tuple = ()) -> None:

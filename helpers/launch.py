@@ -154,10 +154,10 @@ class _Agent:
         if fresh:
             spec_path = Path(spec["run_dir"]) / f"spec_node{spec['node_rank']}.json"
             spec_path.write_text(json.dumps(spec))
-            log = open(Path(spec["run_dir"]) / f"agent_node{spec['node_rank']}.log", "ab")
-            self.popen = subprocess.Popen([sys.executable, "-m", "helpers._agent", str(spec_path)],
-                                          stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                          start_new_session=True, env=spec["env"], cwd=spec["cwd"])
+            with open(Path(spec["run_dir"]) / f"agent_node{spec['node_rank']}.log", "ab") as log:
+                self.popen = subprocess.Popen([sys.executable, "-m", "helpers._agent", str(spec_path)],
+                                              stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                              start_new_session=True, env=spec["env"], cwd=spec["cwd"])
             self.pid, self.server, self.server_start = self.popen.pid, None, 0.0
         else:
             self.popen = None
@@ -335,7 +335,7 @@ def wait(jobs: list[Job], timeout: float | None = None) -> list[Run]:
         job.tick()
     LiveView.refresh_progress([job.view for job in jobs], final=True)
     runs = [job.to_run() for job in jobs]
-    for job, run in zip(jobs, runs):
+    for job, run in zip(jobs, runs, strict=True):
         if job.agent.code != 0:
             raise _failure_error(job, run)
     return runs

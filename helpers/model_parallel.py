@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
+from itertools import pairwise
 from typing import Any
 
 import torch
@@ -43,7 +44,7 @@ def split_stages(model: nn.Sequential, parts: int) -> list[nn.Sequential]:
         if len(bounds) < parts and running >= total * len(bounds) / parts:
             bounds.append(index + 1)
     bounds.append(len(model))
-    return [model[start:end] for start, end in zip(bounds, bounds[1:])]
+    return [model[start:end] for start, end in pairwise(bounds)]
 
 
 def zero_bytes_per_rank(n_params: int, world_size: int, stage: int,

@@ -82,7 +82,7 @@ def plot_process_model(workers: Sequence[Mapping[str, Any]], title: str = "One j
     """
     nodes = sorted({int(w["node"]) for w in workers})
     per_node = max(sum(int(w["node"]) == n for w in workers) for n in nodes)
-    fig, ax = plt.subplots(figsize=(2.9 * len(nodes) + 0.6, 2.2 + 0.9 * per_node), dpi=80)
+    _, ax = plt.subplots(figsize=(2.9 * len(nodes) + 0.6, 2.2 + 0.9 * per_node), dpi=80)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for column, node in enumerate(nodes):
         x = 0.3 + column * 2.9

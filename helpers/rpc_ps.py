@@ -32,6 +32,9 @@ def start_rpc(name: str | None = None, threads: int = 8, timeout: float = 60.0) 
     os.environ.setdefault("MASTER_PORT", "29512")
     # init_rpc builds a gloo group internally with an API torch itself has deprecated: not our code.
     warnings.filterwarnings("ignore", message="You are using a Backend")
+    # DistributedOptimizer's TorchScript optimizers are deprecated (RPC is in maintenance mode; the
+    # lesson says so): keep the warning, with its site-packages path, out of the learner's log.
+    warnings.filterwarnings("ignore", message="`TorchScript` support for functional optimizers")
     options = rpc.TensorPipeRpcBackendOptions(num_worker_threads=threads, rpc_timeout=timeout)
     rpc.init_rpc(name or worker_name(rank), rank=rank, world_size=world_size, rpc_backend_options=options)
     return rank, world_size
@@ -56,3 +59,23 @@ def accuracy(model: nn.Module, limit: int | None = 2000) -> float:
     test_set, _ = load(train=False, limit=limit)
     images, labels = test_set.tensors
     return (model(images).argmax(dim=1) == labels).float().mean().item()
+
+
+def check_counter(script: str) -> str:
+    """The exercise's check: launch `script` on 2 processes; say what is right or what is missing."""
+    from helpers.launch import launch
+
+    run = launch(script, nproc=2, echo=False, timeout=60)
+    got = run.results.get(0, {})
+    problems = []
+    if got.get("count") != 10:
+        problems.append(f"worker0 should report count=10 (ten add(1) calls), got {got.get('count')!r}")
+    if got.get("owner") != "worker1":
+        problems.append(f"the counter should live on worker1 (its owner), got owner={got.get('owner')!r}")
+    if got.get("partial_counts") != list(range(1, 11)):
+        problems.append("each add() should return the count after it, so the ten futures give 1..10 "
+                        f"in some order; got {got.get('partial_counts')!r}")
+    if problems:
+        raise AssertionError("Not yet:\n- " + "\n- ".join(problems))
+    return ("Correct: the counter lives on worker1, ten remote add() calls ran there (each returned "
+            "a distinct count 1..10), and worker0 read the total 10 through the RRef.")

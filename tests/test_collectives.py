@@ -4,8 +4,14 @@ from pathlib import Path
 import pytest
 
 from helpers import launch
-from helpers.collectives import (bandwidth_rows, bus_factor, check_all_gather, fit_latency_bandwidth,
-                                 format_bytes, owner)
+from helpers.collectives import (
+    bandwidth_rows,
+    bus_factor,
+    check_all_gather,
+    fit_latency_bandwidth,
+    format_bytes,
+    owner,
+)
 
 WORKERS = Path(__file__).resolve().parent.parent / "helpers" / "workers"
 
@@ -18,7 +24,8 @@ def test_tour_gives_every_collective_its_documented_result():
     assert seen[1]["broadcast"]["after"] == [1.0, 2.0, 3.0, 4.0]
     assert seen[0]["reduce"]["after"] == [12.0, 14.0, 16.0, 18.0]
     assert all(seen[r]["all_reduce"]["after"] == [12.0, 14.0, 16.0, 18.0] for r in (0, 1))
-    assert seen[0]["reduce_scatter"]["after"] == [12.0, 14.0] and seen[1]["reduce_scatter"]["after"] == [16.0, 18.0]
+    assert seen[0]["reduce_scatter"]["after"] == [12.0, 14.0]
+    assert seen[1]["reduce_scatter"]["after"] == [16.0, 18.0]
     assert all(seen[r]["all_gather"]["after"] == [12.0, 14.0, 16.0, 18.0] for r in (0, 1))
     barrier = [run.results[r]["barrier"] for r in (0, 1)]
     assert min(t["left"] for t in barrier) >= max(t["arrived"] for t in barrier)
@@ -62,3 +69,10 @@ def test_bus_bandwidth_and_small_helpers():
     assert row["algbw GB/s"] == pytest.approx(1.0) and row["busbw GB/s"] == pytest.approx(1.5)
     assert [format_bytes(s) for s in (512, 1024, 64 * 2**20)] == ["512 B", "1 KB", "64 MB"]
     assert owner(23, world_size=4, length=4) == 2 and owner(64, world_size=4, length=4) is None
+
+
+def test_exercise_check_reports_a_deadlock(tmp_path, capsys):
+    stuck = tmp_path / "stuck.py"
+    stuck.write_text("import time\ntime.sleep(30)\n")
+    assert not check_all_gather(stuck, nproc=1, timeout=3)
+    assert "deadlock" in capsys.readouterr().out

@@ -54,7 +54,7 @@ def test_rng_state_restores_every_generator():
 
 
 def test_atomic_save_passes_the_exercise_check_and_a_plain_save_does_not(tmp_path):
-    assert check_atomic_save(save_checkpoint, tmp_path)
+    assert check_atomic_save(lambda state, path: save_checkpoint(path, state), tmp_path)
     assert not check_atomic_save(lambda state, path: torch.save(state, path), tmp_path / "naive")
 
 

@@ -244,3 +244,14 @@ def test_worker_api_is_a_no_op_outside_the_launcher(tmp_path):
     env.update(RANK="0", TORCHELASTIC_RUN_ID="x")
     subprocess.run([sys.executable, str(WORKERS / "env_and_metrics.py")], cwd=tmp_path, env=env, check=True)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_progress_bar_follows_reported_progress():
+    from IPython.testing.globalipapp import get_ipython
+    from IPython.utils.capture import capture_output
+
+    get_ipython()
+    with capture_output() as captured:
+        launch(WORKERS / "env_and_metrics.py", nproc=2, echo=False)
+    shown = captured.outputs[-1].data["text/plain"]
+    assert shown.splitlines() == [f"rank {rank} |{'█' * 30}| 5/5" for rank in (0, 1)]

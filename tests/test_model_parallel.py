@@ -4,8 +4,16 @@ from pathlib import Path
 import pytest
 
 from helpers import launch
-from helpers.model_parallel import (MIXED_ADAM, activation_bytes, bubble_fraction, check_smallest_stage,
-                                    idle_fraction, mlp, split_stages, zero_bytes_per_rank)
+from helpers.model_parallel import (
+    MIXED_ADAM,
+    activation_bytes,
+    bubble_fraction,
+    check_smallest_stage,
+    idle_fraction,
+    mlp,
+    split_stages,
+    zero_bytes_per_rank,
+)
 
 WORKERS = Path(__file__).resolve().parent.parent / "helpers" / "workers"
 

@@ -82,7 +82,7 @@ def main() -> None:
 
     # full_tensor() all-gathers a sharded parameter: the check itself is one more collective per tensor.
     max_diff = max((p.full_tensor() - q).abs().max().item()
-                   for p, q in zip(model.parameters(), ddp_model.parameters()))
+                   for p, q in zip(model.parameters(), ddp_model.parameters(), strict=True))
     result(shards=shards, traffic=per_step, max_param_diff=max_diff,
            n_params=sum(q.numel() for q in ddp_model.parameters()))
     dist.destroy_process_group()

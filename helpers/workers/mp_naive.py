@@ -69,7 +69,7 @@ def main() -> None:
     unsplit_loss.backward()
     my_layers = split_stages(unsplit, world_size)[rank]
     grad_diff = max((a.grad - b.grad).abs().max().item()
-                    for a, b in zip(stage.parameters(), my_layers.parameters()))
+                    for a, b in zip(stage.parameters(), my_layers.parameters(), strict=True))
     loss_diff = abs(loss.item() - unsplit_loss.item()) if last else None
     result(events=events, grad_diff=grad_diff, loss_diff=loss_diff, loss=loss.item() if last else None)
     dist.destroy_process_group()

@@ -4,9 +4,9 @@
 
 Rank 0 is the server ("ps"); the other ranks are trainers that compute gradients on their own copy
 of the model and send them with one RPC per step. The server's update_and_fetch_model returns a
-Future at once, freeing its RPC thread; when `--batch-updates` gradients (default: one from every
-trainer) have arrived it averages them, takes one optimizer step and completes the Future, which
-sends the new model back to every waiting trainer. `--batch-updates 1` applies each push at once.
+Future at once, freeing its RPC thread; when every trainer's gradients have arrived it averages
+them, takes one optimizer step and completes the Future, which sends the new model back to every
+waiting trainer. Updates are synchronous: each step waits for the slowest trainer.
 """
 import argparse
 import threading
@@ -25,6 +25,8 @@ _server_lock = threading.Lock()
 
 
 class BatchUpdateParameterServer:
+    """Owns the model; collects `batch_updates` gradient pushes per optimizer step."""
+
     def __init__(self, batch_updates: int, lr: float) -> None:
         torch.manual_seed(0)
         self.model = SimpleModel()
@@ -70,8 +72,8 @@ def get_server(batch_updates: int, lr: float) -> BatchUpdateParameterServer:
 
 def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
     trainers = max(world_size - 1, 1)
-    server = rpc.remote(worker_name(0), get_server, args=(args.batch_updates or trainers, args.lr))
-    model = server.rpc_sync().get_model()
+    server = rpc.remote(worker_name(0), get_server, args=(trainers, args.lr))
+    model = server.rpc_sync().get_model()  # a method call on the server's object, via the RRef
     started = time.perf_counter()
     batches = trainer_batches(max(rank - 1, 0), trainers, args.batch_size, args.steps)
     for step, (images, labels) in enumerate(batches):
@@ -91,7 +93,6 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40, help="steps per trainer")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.1)
-    parser.add_argument("--batch-updates", type=int, default=0, help="pushes per update (0: all trainers)")
     args = parser.parse_args()
     rank, world_size = start_rpc()
     if rank != 0 or world_size == 1:
