@@ -83,6 +83,7 @@ class _FailsHalfway:
 
 def check_atomic_save(save: Callable[[dict, Path], None], folder: str | os.PathLike) -> bool:
     """Lesson 06's exercise: does `save(state, path)` keep the old checkpoint if it dies midway?"""
+    Path(folder).mkdir(parents=True, exist_ok=True)
     path = Path(folder) / "exercise.pt"
     good = {"step": 1, "weight": torch.arange(1000.0)}
     save(good, path)

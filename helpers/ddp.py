@@ -13,7 +13,6 @@ import ast
 import builtins
 import hashlib
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -124,6 +123,7 @@ def capture_child_stderr():
     mp.spawn's children print their tracebacks straight to file descriptor 2, past Jupyter.
     """
     import contextlib
+    import logging
     import os
     import tempfile
 
@@ -133,6 +133,9 @@ def capture_child_stderr():
     @contextlib.contextmanager
     def capturing():
         captured = Captured()
+        spawn_log = logging.getLogger("torch.multiprocessing.spawn")
+        level = spawn_log.level
+        spawn_log.setLevel(logging.ERROR)  # its "Terminating process <pid>" warning varies run to run
         sys.stderr.flush()
         saved = os.dup(2)
         with tempfile.TemporaryFile(mode="w+") as sink:
@@ -142,6 +145,7 @@ def capture_child_stderr():
             finally:
                 os.dup2(saved, 2)
                 os.close(saved)
+                spawn_log.setLevel(level)
                 sink.seek(0)
                 captured.text = sink.read()
 

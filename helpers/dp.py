@@ -67,7 +67,7 @@ def gather(outputs: Sequence[torch.Tensor]) -> torch.Tensor:
 def reduce_gradients(replicas: Sequence[nn.Module]) -> None:
     """After backward: add every replica's gradients onto device 0's (the module's) gradients."""
     first, *others = replicas
-    for parameters in zip(first.parameters(), *(r.parameters() for r in others)):
+    for parameters in zip(first.parameters(), *(r.parameters() for r in others), strict=True):
         target, *sources = parameters
         for source in sources:
             target.grad += source.grad
@@ -168,7 +168,7 @@ def single_device_gradients(module: nn.Module, inputs: torch.Tensor, targets: to
 
 def max_abs_diff(first: Sequence[torch.Tensor], second: Sequence[torch.Tensor]) -> float:
     """The largest elementwise difference between two lists of tensors."""
-    return max(float((a - b).detach().abs().max()) for a, b in zip(first, second))
+    return max(float((a - b).detach().abs().max()) for a, b in zip(first, second, strict=True))
 
 
 def check_reduce(reduce: Callable[[Sequence[nn.Module]], None]) -> bool:

@@ -25,6 +25,17 @@ def worker_name(rank: int) -> str:
     return "ps" if rank == 0 else f"trainer{rank}"
 
 
+_show_warning = warnings.showwarning
+
+
+def _without_torchscript_deprecation(message, category, *args, **kwargs) -> None:
+    """DistributedOptimizer warns, on every creation, that its TorchScript optimizers are deprecated
+    (RPC is in maintenance mode; the lesson says so). Torch forces that warning past the filters
+    (simplefilter("always")), so it is dropped here, to keep site-packages paths out of the logs."""
+    if "support for functional optimizers is deprecated" not in str(message):
+        _show_warning(message, category, *args, **kwargs)
+
+
 def start_rpc(name: str | None = None, threads: int = 8, timeout: float = 60.0) -> tuple[int, int]:
     """init_rpc with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT from torchrun; return (rank, world_size)."""
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -32,9 +43,7 @@ def start_rpc(name: str | None = None, threads: int = 8, timeout: float = 60.0) 
     os.environ.setdefault("MASTER_PORT", "29512")
     # init_rpc builds a gloo group internally with an API torch itself has deprecated: not our code.
     warnings.filterwarnings("ignore", message="You are using a Backend")
-    # DistributedOptimizer's TorchScript optimizers are deprecated (RPC is in maintenance mode; the
-    # lesson says so): keep the warning, with its site-packages path, out of the learner's log.
-    warnings.filterwarnings("ignore", message="`TorchScript` support for functional optimizers")
+    warnings.showwarning = _without_torchscript_deprecation
     options = rpc.TensorPipeRpcBackendOptions(num_worker_threads=threads, rpc_timeout=timeout)
     rpc.init_rpc(name or worker_name(rank), rank=rank, world_size=world_size, rpc_backend_options=options)
     return rank, world_size

@@ -8,8 +8,14 @@ import torch
 from torch import nn
 
 from helpers import launch
-from helpers.dp import (NaiveDataParallel, check_reduce, data_parallel_step_ms, max_abs_diff, reduce_gradients,
-                        single_device_gradients)
+from helpers.dp import (
+    NaiveDataParallel,
+    check_reduce,
+    data_parallel_step_ms,
+    max_abs_diff,
+    reduce_gradients,
+    single_device_gradients,
+)
 from helpers.models import SimpleModel
 
 WORKERS = Path(__file__).resolve().parent.parent / "helpers" / "workers"

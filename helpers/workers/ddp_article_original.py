@@ -8,6 +8,7 @@ fixed, the backend is nccl, `.to(rank)` assumes one GPU per rank and mp.spawn st
 Lesson 02 runs it stage by stage with helpers/workers/ddp_article_run.py; the fixed version is
 helpers/workers/ddp_train.py.
 """
+# ruff: noqa: F401, UP008, B007  (the article as printed, not our style)
 # Step 2: initialise the DDP environment
 import torch
 import torch.distributed as dist

@@ -71,7 +71,8 @@ def main() -> None:
         key = f"{name} m={microbatches}"
         timelines[key] = [{"rank": rank, "kind": kind, "start": start, "end": end}
                           for kind, start, end in watched.intervals()]
-        grad_diff = max((p.grad - g).abs().max().item() for p, g in zip(watched.parameters(), unsplit_grads, strict=True))
+        pairs = zip(watched.parameters(), unsplit_grads, strict=True)
+        grad_diff = max((p.grad - g).abs().max().item() for p, g in pairs)
         # Equal micro-batches: the mean of their losses is the loss of the whole batch.
         loss_diff = abs(torch.stack(losses).mean().item() - unsplit_loss.item()) if last else None
         checks[key] = {"grad_diff": grad_diff, "loss_diff": loss_diff}

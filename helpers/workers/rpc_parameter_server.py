@@ -57,7 +57,7 @@ def get_server() -> ParameterServer:
 def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
     server = rpc.remote(worker_name(0), get_server)
     optimizer = DistributedOptimizer(torch.optim.SGD, server.rpc_sync().parameter_rrefs(),
-                                     lr=args.lr, momentum=0.9)
+                                     lr=args.lr, momentum=args.momentum)
     names = [name for name, _ in SimpleModel().named_parameters()]
     shape_only = SimpleModel()  # the local module holds no state we use: only its forward code
     trainer, trainers = max(rank - 1, 0), max(world_size - 1, 1)
@@ -81,6 +81,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40, help="steps per trainer")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--momentum", type=float, default=0.5, help="see the lesson: lower than usual")
     parser.add_argument("--crash-rank", type=int, default=-1, help="this trainer dies (failure demo)")
     parser.add_argument("--crash-step", type=int, default=5, help="...at this step")
     args = parser.parse_args()
