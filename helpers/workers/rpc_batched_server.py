@@ -46,7 +46,7 @@ class BatchUpdateParameterServer:
     def update_and_fetch_model(server_rref: rpc.RRef, grads: list[torch.Tensor]) -> torch.futures.Future:
         self = server_rref.local_value()
         with self.lock:
-            for p, grad in zip(self.model.parameters(), grads):
+            for p, grad in zip(self.model.parameters(), grads, strict=True):
                 p.grad += grad
             self.arrived += 1
             future = self.next_model

@@ -58,8 +58,8 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
     server = rpc.remote(worker_name(0), get_server)
     optimizer = DistributedOptimizer(torch.optim.SGD, server.rpc_sync().parameter_rrefs(),
                                      lr=args.lr, momentum=args.momentum)
-    names = [name for name, _ in SimpleModel().named_parameters()]
-    shape_only = SimpleModel()  # the local module holds no state we use: only its forward code
+    shape_only = SimpleModel()  # its own parameters are never used: only its forward code
+    names = [name for name, _ in shape_only.named_parameters()]
     trainer, trainers = max(rank - 1, 0), max(world_size - 1, 1)
     started = time.perf_counter()
     for step, (images, labels) in enumerate(trainer_batches(trainer, trainers, args.batch_size, args.steps)):
@@ -67,7 +67,7 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
             raise RuntimeError(f"{worker_name(rank)} crashed at step {step} (simulated)")
         with dist_autograd.context() as context_id:
             parameters = server.rpc_sync().parameters()  # pull
-            logits = functional_call(shape_only, dict(zip(names, parameters)), (images,))
+            logits = functional_call(shape_only, dict(zip(names, parameters, strict=True)), (images,))
             loss = F.cross_entropy(logits, labels)
             dist_autograd.backward(context_id, [loss])  # push: gradients land on the server
             optimizer.step(context_id)  # the server updates its model with this context's gradients
