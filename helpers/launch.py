@@ -373,17 +373,30 @@ def _failure_error(job: Job, run: Run) -> WorkerFailed:
                         f"--- logs of every rank: {run.log_dir}/ ---", rank=rank, exitcode=code, run=run)
 
 
-def _root_cause(failures: dict[int, dict], tracebacks: dict[int, dict]) -> int:
-    """The first rank to fail: earliest recorded exception, else earliest exit not caused by SIGTERM.
+# What a rank says when a *peer* died: a symptom, never the root cause.
+_PEER_SYMPTOMS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                  "Connection refused", "Socket Timeout", "Timed out waiting")
 
-    Elastic's own summary only lists the ranks it saw exit at one poll, with whole-second
-    timestamps, so a rank that crashed can hide behind the ranks it broke; the bootstrap's
-    precise failure times settle it.
+
+def _root_cause(failures: dict[int, dict], tracebacks: dict[int, dict]) -> int:
+    """The rank that failed first, from the best evidence available, in this order:
+
+    1. the earliest exception that is not a peer-connection symptom (the bootstrap records exact times;
+       elastic's own summary lists only the ranks it saw at one poll, with whole-second timestamps);
+    2. a rank killed by a signal we did not send (SIGKILL by the OOM killer, SIGSEGV, ...): it leaves
+       no traceback, and the ranks it broke only report lost connections;
+    3. the earliest exception of any kind; 4. elastic's order, SIGTERMed ranks last.
     """
+    genuine = [r for r in tracebacks if not any(s in tracebacks[r]["traceback"] for s in _PEER_SYMPTOMS)]
+    if genuine:
+        return min(genuine, key=lambda r: tracebacks[r]["time"])
+    signalled = [r for r in failures if r not in tracebacks and failures[r]["exitcode"] < 0
+                 and failures[r]["exitcode"] != -signal.SIGTERM]
+    if signalled:
+        return min(signalled, key=lambda r: (failures[r]["timestamp"], r))
     if tracebacks:
         return min(tracebacks, key=lambda r: tracebacks[r]["time"])
-    return min(failures, key=lambda r: (failures[r]["exitcode"] == -signal.SIGTERM,
-                                        failures[r]["timestamp"], r))
+    return min(failures, key=lambda r: (failures[r]["exitcode"] == -signal.SIGTERM, failures[r]["timestamp"], r))
 
 
 _SKIP_FRAME = re.compile(r'  File "[^"]*(runpy\.py|<frozen runpy>|helpers/_bootstrap\.py)".*\n(    .*\n)*')

@@ -255,3 +255,11 @@ def test_progress_bar_follows_reported_progress():
         launch(WORKERS / "env_and_metrics.py", nproc=2, echo=False)
     shown = captured.outputs[-1].data["text/plain"]
     assert shown.splitlines() == [f"rank {rank} |{'█' * 30}| 5/5" for rank in (0, 1)]
+
+
+def test_a_rank_killed_by_a_signal_is_blamed_not_the_peer_it_broke():
+    with pytest.raises(WorkerFailed) as caught:
+        launch(WORKERS / "killed_in_collective.py", nproc=2, echo=False)
+    assert caught.value.rank == 1 and caught.value.exitcode == -signal.SIGKILL
+    assert "SIGKILL" in str(caught.value)
+    assert_nothing_left(caught.value.run.log_dir)
