@@ -72,17 +72,29 @@ def _kill_all(*_) -> None:
     os._exit(0)
 
 
+def _preload() -> None:
+    """Import, once, what nearly every worker needs: the point of this process. Nothing here starts a
+    thread or touches CUDA, so forking afterwards stays safe."""
+    import torch
+    import torch.distributed.run
+    import torch.nn.parallel
+    import torch.optim
+
+    # The first optimizer a process builds imports torch._dynamo: seconds in every worker, unless paid here.
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    try:
+        import torchvision  # noqa: F401
+    except ImportError:
+        pass
+
+
 def main() -> None:
     from helpers._bootstrap import die_with_parent
 
     die_with_parent(signal.SIGTERM)
     signal.signal(signal.SIGTERM, _kill_all)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the kernel handles interrupts and tells us
-    import torch
-    import torch.distributed.run
-    import torch.nn
-    import torch.optim  # noqa: F401
-
+    _preload()
     import helpers._agent  # noqa: F401
 
     _send({"ready": os.getpid()})
