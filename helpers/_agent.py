@@ -35,6 +35,25 @@ def _failures(error) -> dict:
     return out
 
 
+def _config_without_touching_cuda(torchrun, args):
+    """torchrun's LaunchConfig, built without asking for the accelerator count.
+
+    LaunchConfig asks `torch.accelerator.device_count()` to pick default NUMA bindings. Counting CUDA
+    devices registers a fork handler that poisons every process forked afterwards ("Cannot re-initialize
+    CUDA in forked subprocess"), and our workers are forked from this process. A terminal torchrun does
+    not care (it starts fresh interpreters); we give up only the default NUMA binding.
+    """
+    import torch
+
+    really_available = torch.accelerator.is_available
+    torch.accelerator.is_available = lambda: False
+    try:
+        config, _, _ = torchrun.config_from_args(args)
+    finally:
+        torch.accelerator.is_available = really_available
+    return config
+
+
 def run_agent(spec: dict) -> int:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -47,7 +66,7 @@ def run_agent(spec: dict) -> int:
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     result_path = os.path.join(spec["run_dir"], f"agent_result_node{spec['node_rank']}.json")
     args = torchrun.get_args_parser().parse_args(_torchrun_argv(spec))
-    config, _, _ = torchrun.config_from_args(args)
+    config = _config_without_touching_cuda(torchrun, args)
     script_and_args = [spec["script"], *spec["args"]]
     if spec["fresh"]:
         entrypoint, entry_args = sys.executable, ["-u", "-m", "helpers._bootstrap", *script_and_args]

@@ -263,3 +263,9 @@ def test_a_rank_killed_by_a_signal_is_blamed_not_the_peer_it_broke():
     assert caught.value.rank == 1 and caught.value.exitcode == -signal.SIGKILL
     assert "SIGKILL" in str(caught.value)
     assert_nothing_left(caught.value.run.log_dir)
+
+
+def test_forked_workers_can_still_initialise_cuda():
+    """Nothing above a forked worker (server, agent) may count CUDA devices: that poisons forks."""
+    run = launch(WORKERS / "cuda_fork_state.py", nproc=2, echo=False)
+    assert run.results == {rank: {"bad_fork": False, "initialized": False} for rank in (0, 1)}
