@@ -202,7 +202,8 @@ def _differences(sent: Any, kept: Any, where: str) -> list[str]:
         return problems + [p for key in sent if key in kept
                            for p in _differences(sent[key], kept[key], f"{where}.{key}")]
     if isinstance(sent, list) and isinstance(kept, list):
-        return [p for i, (a, b) in enumerate(zip(sent, kept)) for p in _differences(a, b, f"{where}[{i}]")]
+        pairs = enumerate(zip(sent, kept, strict=False))
+        return [p for i, (a, b) in pairs for p in _differences(a, b, f"{where}[{i}]")]
     if sent != kept:
         return [f"{where}: {sent!r} is not a valid value (the schema reads it as {kept!r})"]
     return []

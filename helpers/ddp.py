@@ -13,7 +13,6 @@ import ast
 import builtins
 import hashlib
 import re
-import sys
 from pathlib import Path
 
 import torch
@@ -117,42 +116,8 @@ def last_error_line(text: str) -> str:
     return re.sub(r"(from )?'?/[^\s'>]*'?", "", line).replace(" >", ">").strip()
 
 
-def capture_child_stderr():
-    """Context manager: what child processes write to stderr goes to a string (`.text` afterwards).
-
-    mp.spawn's children print their tracebacks straight to file descriptor 2, past Jupyter.
-    """
-    import contextlib
-    import logging
-    import os
-    import tempfile
-
-    class Captured:
-        text = ""
-
-    @contextlib.contextmanager
-    def capturing():
-        captured = Captured()
-        spawn_log = logging.getLogger("torch.multiprocessing.spawn")
-        level = spawn_log.level
-        spawn_log.setLevel(logging.ERROR)  # its "Terminating process <pid>" warning varies run to run
-        sys.stderr.flush()
-        saved = os.dup(2)
-        with tempfile.TemporaryFile(mode="w+") as sink:
-            os.dup2(sink.fileno(), 2)
-            try:
-                yield captured
-            finally:
-                os.dup2(saved, 2)
-                os.close(saved)
-                spawn_log.setLevel(level)
-                sink.seek(0)
-                captured.text = sink.read()
-
-    return capturing()
-
-
 # ---------------------------------------------------------------- the exercise
+
 
 def check_ddp_worker(script: str | Path, nproc: int = 2) -> bool:
     """Launch the learner's DDP version of ddp_exercise_single.py and say what is right or missing."""

@@ -11,6 +11,7 @@ def mp_spawn_from_notebook(function: Callable, nprocs: int = 2, args: tuple = ()
     """Run the source article's ``mp.spawn(function, ...)`` and, when it fails, raise a short error
     with the child's own last error line (children write it to the kernel's stderr, which a notebook
     never shows, so we catch it in a file)."""
+    __tracebackhide__ = True
     import torch.multiprocessing as mp
 
     # spawn logs "Terminating process <pid>" while cleaning up; the short error below says it all
@@ -25,8 +26,9 @@ def mp_spawn_from_notebook(function: Callable, nprocs: int = 2, args: tuple = ()
             capture.seek(0)
             lines = [line for line in capture.read().splitlines() if line.strip()]
             child = lines[-1] if lines else "(no message)"
-            raise RuntimeError(f"mp.spawn failed: {str(error).strip().splitlines()[0]}; "
-                               f"the child process said: {child}") from None
+            code = getattr(error, "exit_code", "?")
+            raise RuntimeError(f"mp.spawn failed: a child process exited with code {code}; "
+                               f"it said: {child}") from None
         finally:
             os.dup2(saved, 2)
             os.close(saved)

@@ -248,6 +248,7 @@ def launch(script: str | os.PathLike, nproc: int = 2, args: tuple | list = (),
     torchrun_options: nnodes, node_rank, rdzv_endpoint, ... (see TORCHRUN_OPTIONS).
     Raises WorkerFailed (a RuntimeError) naming the failing rank with its traceback.
     """
+    __tracebackhide__ = True  # IPython shows the learner's cell and the error, not the launcher's frames
     _check_arguments(script, nproc, timeout, max_restarts, torchrun_options)
     job = start(script, nproc, args, max_restarts, fresh=fresh, log_dir=log_dir, echo=echo,
                 **torchrun_options)
@@ -312,6 +313,7 @@ class Job:
 
 def wait(jobs: list[Job], timeout: float | None = None) -> list[Run]:
     """Follow jobs until all finish; stop all of them on failure, timeout or interrupt."""
+    __tracebackhide__ = True
     deadline = None if timeout is None else time.monotonic() + timeout
     LiveView.reset_progress()
     try:

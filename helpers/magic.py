@@ -44,6 +44,7 @@ def parse_line(line: str) -> tuple[argparse.Namespace, list[str]]:
 
 
 def run_cell(line: str, cell: str, namespace: dict) -> None:
+    __tracebackhide__ = True
     options, script_args = parse_line(line)
     path = Path("runs") / "cells" / f"{options.name}.py"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """Pictures the lessons need, from a Run's metrics or plain numbers. Every function returns its Axes.
 
     from helpers.plots import plot_metric, plot_bars, plot_lines
-    ax = plot_metric(run, "loss", ylabel="cross-entropy loss")   # assign: under nbval a trailing ";" does not hide the Axes
+    ax = plot_metric(run, "loss", ylabel="cross-entropy loss")  # assign it: under nbval ";" does not hide it
 """
 from __future__ import annotations
 
