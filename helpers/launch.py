@@ -150,8 +150,8 @@ def _child_env() -> dict[str, str]:
 class _Agent:
     """One torchrun agent process (a process-group leader), forked by the server or fresh."""
 
-    def __init__(self, spec: dict, fresh: bool) -> None:
-        if fresh:
+    def __init__(self, spec: dict) -> None:
+        if spec["fresh"]:
             spec_path = Path(spec["run_dir"]) / f"spec_node{spec['node_rank']}.json"
             spec_path.write_text(json.dumps(spec))
             with open(Path(spec["run_dir"]) / f"agent_node{spec['node_rank']}.log", "ab") as log:
@@ -263,18 +263,18 @@ def start(script: str | os.PathLike, nproc: int = 2, args: tuple | list = (), ma
     fresh = (not _FORK_SAFE) if fresh is None else fresh
     run_dir = _new_run_dir(path, log_dir)
     spec = build_spec(path, nproc, tuple(args), max_restarts, torchrun_options, run_dir, fresh)
-    return Job(spec, fresh, echo)
+    return Job(spec, echo)
 
 
 class Job:
     """A launch in flight: its agent, and the live view that tails the run folder."""
 
-    def __init__(self, spec: dict, fresh: bool, echo: bool | int) -> None:
+    def __init__(self, spec: dict, echo: bool | int) -> None:
         self.spec = spec
         self.run_dir = Path(spec["run_dir"])
         self.node_rank = spec["node_rank"]
         self.started, self.started_wall = time.perf_counter(), time.time()
-        self.agent = _Agent(spec, fresh)
+        self.agent = _Agent(spec)
         self.view = LiveView(self.run_dir, spec["node_rank"], spec["nproc"], echo)
 
     def tick(self) -> bool:
