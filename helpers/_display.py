@@ -146,13 +146,15 @@ class LiveView:
     def attempts(self) -> int:
         return 1 + max((attempt for _, attempt in self.workers), default=0)
 
+    def ranks_of_last_attempt(self) -> set[int]:
+        last = self.attempts() - 1
+        return {info["rank"] for (_, attempt), info in self.workers.items() if attempt == last}
+
     def failure_records(self) -> dict[int, dict]:
-        records: dict[int, dict] = {}
-        for path in sorted((self.run_dir / "failures").glob(f"node{self.node}-*.json")):
-            info = json.loads(path.read_text())
-            if info["attempt"] >= records.get(info["rank"], {}).get("attempt", -1):
-                records[info["rank"]] = info
-        return records
+        """Exceptions the workers of the last attempt recorded, by rank."""
+        last = self.attempts() - 1
+        records = [json.loads(p.read_text()) for p in (self.run_dir / "failures").glob(f"node{self.node}-*.json")]
+        return {info["rank"]: info for info in records if info["attempt"] == last}
 
     def live_worker_pids(self) -> list[int]:
         alive = []

@@ -363,10 +363,15 @@ def _failure_error(job: Job, run: Run) -> WorkerFailed:
     if not failures and not tracebacks:
         return WorkerFailed(f"the torchrun agent exited with code {job.agent.code} and reported no "
                             f"failed rank; see {run.log_dir}/agent_node{job.node_rank}.log", run=run)
-    rank = _root_cause(failures, tracebacks)
-    info = failures.get(rank, {"exitcode": 1})  # an uncaught Python exception exits with 1
-    code = info["exitcode"]
-    how = f"exit code {code}" + (f" ({info['signal']})" if info.get("signal") else "")
+    rank = _root_cause(failures, tracebacks, job.view.ranks_of_last_attempt())
+    if rank in failures:
+        info = failures[rank]
+        code = info["exitcode"]
+        how = f"exit code {code}" + (f" ({info['signal']})" if info.get("signal") else "")
+    elif rank in tracebacks:
+        code, how = 1, "exit code 1"  # an uncaught Python exception exits with 1
+    else:
+        code, how = None, "no Python error (killed by a signal, or it left while its peers still waited)"
     record = tracebacks.get(rank)
     body = _clean_traceback(record["traceback"]) if record else _last_lines(run.logs.get(rank, ""))
     title = "traceback" if record else "last lines of output"
@@ -380,14 +385,15 @@ _PEER_SYMPTOMS = ("Connection closed by peer", "Connection reset by peer", "Brok
                   "Connection refused", "Socket Timeout", "Timed out waiting")
 
 
-def _root_cause(failures: dict[int, dict], tracebacks: dict[int, dict]) -> int:
+def _root_cause(failures: dict[int, dict], tracebacks: dict[int, dict], ranks: set[int]) -> int:
     """The rank that failed first, from the best evidence available, in this order:
 
     1. the earliest exception that is not a peer-connection symptom (the bootstrap records exact times;
        elastic's own summary lists only the ranks it saw at one poll, with whole-second timestamps);
     2. a rank killed by a signal we did not send (SIGKILL by the OOM killer, SIGSEGV, ...): it leaves
        no traceback, and the ranks it broke only report lost connections;
-    3. the earliest exception of any kind; 4. elastic's order, SIGTERMed ranks last.
+    3. when every traceback is such a symptom, a rank that left without one (killed, or exited early);
+    4. the earliest exception of any kind; 5. elastic's order, SIGTERMed ranks last.
     """
     genuine = [r for r in tracebacks if not any(s in tracebacks[r]["traceback"] for s in _PEER_SYMPTOMS)]
     if genuine:
@@ -396,6 +402,9 @@ def _root_cause(failures: dict[int, dict], tracebacks: dict[int, dict]) -> int:
                  and failures[r]["exitcode"] != -signal.SIGTERM]
     if signalled:
         return min(signalled, key=lambda r: (failures[r]["timestamp"], r))
+    silent = sorted(ranks - set(tracebacks) - {r for r in failures if failures[r]["exitcode"] == -signal.SIGTERM})
+    if tracebacks and silent:
+        return silent[0]
     if tracebacks:
         return min(tracebacks, key=lambda r: tracebacks[r]["time"])
     return min(failures, key=lambda r: (failures[r]["exitcode"] == -signal.SIGTERM, failures[r]["timestamp"], r))
