@@ -380,9 +380,9 @@ def _failure_error(job: Job, run: Run) -> WorkerFailed:
                         f"--- logs of every rank: {run.log_dir}/ ---", rank=rank, exitcode=code, run=run)
 
 
-# What a rank says when a *peer* died: a symptom, never the root cause.
-_PEER_SYMPTOMS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
-                  "Connection refused", "Socket Timeout", "Timed out waiting")
+# What a rank says when a *peer* died: a symptom, never the root cause. A timeout is not in the list:
+# a rank that hangs never errors, so the rank whose collective timed out is the one to report.
+_PEER_SYMPTOMS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused")
 
 
 def _root_cause(failures: dict[int, dict], tracebacks: dict[int, dict], ranks: set[int]) -> int:
