@@ -1,4 +1,4 @@
-"""Lesson 03: the readable DataParallel, the all-reduce counting hook, and the dpddp_* workers."""
+"""Lesson 03: the readable DataParallel, the all-reduce counting hook, and the dp_vs_ddp_* workers."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -99,7 +99,7 @@ def test_data_parallel_is_a_pass_through_without_gpus() -> None:
 
 
 def test_counting_hook_counts_one_call_per_bucket() -> None:
-    run = launch(WORKERS / "dpddp_buckets.py", nproc=2, args=["--caps", "0.5", "25", "--steps", "1"], echo=False)
+    run = launch(WORKERS / "dp_vs_ddp_buckets.py", nproc=2, args=["--caps", "0.5", "25", "--steps", "1"], echo=False)
     for rank in (0, 1):
         calls = [row["allreduce_calls_per_step"] for row in run.metrics if row["rank"] == rank]
         assert calls == [8, 1]
@@ -108,7 +108,7 @@ def test_counting_hook_counts_one_call_per_bucket() -> None:
 
 
 def test_no_sync_cuts_allreduce_calls_and_keeps_gradients() -> None:
-    run = launch(WORKERS / "dpddp_no_sync.py", nproc=2, args=["--accumulate", "3", "--micro-batch", "2"], echo=False)
+    run = launch(WORKERS / "dp_vs_ddp_no_sync.py", nproc=2, args=["--accumulate", "3", "--micro-batch", "2"], echo=False)
     for rank in (0, 1):
         res = run.results[rank]
         assert (res["calls_every_backward"], res["calls_with_no_sync"]) == (3, 1)
@@ -116,7 +116,7 @@ def test_no_sync_cuts_allreduce_calls_and_keeps_gradients() -> None:
 
 
 def test_overlap_trace_holds_backward_and_allreduce_on_one_process() -> None:
-    run = launch(WORKERS / "dpddp_overlap.py", nproc=1, args=["--bucket-cap-mb", "1", "--per-rank-batch", "4"],
+    run = launch(WORKERS / "dp_vs_ddp_overlap.py", nproc=1, args=["--bucket-cap-mb", "1", "--per-rank-batch", "4"],
                  echo=False)
     events = run.results[0]["events"]
     kinds = {event["kind"] for event in events}
@@ -128,7 +128,7 @@ def test_overlap_trace_holds_backward_and_allreduce_on_one_process() -> None:
 
 
 def test_options_worker_measures_bucket_views_and_unused_parameters() -> None:
-    run = launch(WORKERS / "dpddp_options.py", nproc=2, args=["--steps", "1", "--per-rank-batch", "4"], echo=False)
+    run = launch(WORKERS / "dp_vs_ddp_options.py", nproc=2, args=["--steps", "1", "--per-rank-batch", "4"], echo=False)
     for rank in (0, 1):
         res = run.results[rank]
         assert res["default"]["grad_storages"] == res["default"]["parameters"] == 32

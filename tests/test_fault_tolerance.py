@@ -1,4 +1,4 @@
-"""Checkpoints (helpers.checkpoint) and the crash/resume worker (ft_train.py), with real launches."""
+"""Checkpoints (helpers.checkpoint) and the crash/resume worker (fault_tolerance_train.py), with real launches."""
 from __future__ import annotations
 
 import io
@@ -18,7 +18,7 @@ from helpers.checkpoint import (
     temporary_path,
 )
 
-TRAIN = Path(__file__).resolve().parent.parent / "helpers" / "workers" / "ft_train.py"
+TRAIN = Path(__file__).resolve().parent.parent / "helpers" / "workers" / "fault_tolerance_train.py"
 SMALL = ["--steps", "6", "--checkpoint-every", "2", "--per-rank-batch", "16"]
 
 

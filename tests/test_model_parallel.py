@@ -39,7 +39,7 @@ def test_bubble_split_and_exercise_check(capsys):
 
 
 def test_memory_matches_zero_formulas():
-    run = launch(WORKERS / "mp_memory.py", nproc=2, echo=False,
+    run = launch(WORKERS / "model_parallel_memory.py", nproc=2, echo=False,
                  args=["--width", 16, "--hidden-layers", 1, "--global-batch", 8])
     n_params = run.results[0]["n_params"]
     for rank in range(2):
@@ -51,11 +51,11 @@ def test_memory_matches_zero_formulas():
 
 
 def test_naive_and_pipeline_equal_unsplit_model():
-    naive = launch(WORKERS / "mp_naive.py", nproc=2, echo=False, args=["--width", 16, "--batch", 8, "--repeats", 1])
+    naive = launch(WORKERS / "model_parallel_naive.py", nproc=2, echo=False, args=["--width", 16, "--batch", 8, "--repeats", 1])
     assert naive.results[1]["loss_diff"] < 1e-6 and max(r["grad_diff"] for r in naive.results.values()) < 1e-6
     kinds = sorted(e["kind"] for r in naive.results.values() for e in r["events"])
     assert kinds == ["backward", "backward", "forward", "forward"]
-    pipe = launch(WORKERS / "mp_pipeline.py", nproc=2, echo=False,
+    pipe = launch(WORKERS / "model_parallel_pipeline.py", nproc=2, echo=False,
                   args=["--width", 16, "--batch", 8, "--microbatches", 2])
     checks = pipe.results[1]["checks"]
     assert set(checks) == {"gpipe m=2", "1f1b m=2"} and all(c["loss_diff"] < 1e-6 for c in checks.values())
@@ -63,7 +63,7 @@ def test_naive_and_pipeline_equal_unsplit_model():
 
 
 def test_fsdp_shards_counts_and_matches_ddp():
-    run = launch(WORKERS / "mp_fsdp.py", nproc=2, echo=False, args=["--width", 8, "--hidden-layers", 0, "--steps", 2])
+    run = launch(WORKERS / "model_parallel_fsdp.py", nproc=2, echo=False, args=["--width", 8, "--hidden-layers", 0, "--steps", 2])
     result = run.results[0]
     assert result["shards"]["1.weight"] == {"full": [8, 784], "local": [4, 784]}
     assert result["traffic"][-1]["all_gather_single calls"] == 4  # 2 layers, gathered in forward and backward
@@ -72,6 +72,6 @@ def test_fsdp_shards_counts_and_matches_ddp():
 
 
 def test_tensor_parallel_equals_plain_layers():
-    run = launch(WORKERS / "mp_tensor.py", nproc=2, echo=False, args=["--features", 4, "--hidden", 8])
+    run = launch(WORKERS / "model_parallel_tensor.py", nproc=2, echo=False, args=["--features", 4, "--hidden", 8])
     assert run.results[1]["w1_shape"] == [4, 4] and run.results[1]["w2_shape"] == [4, 4]
     assert all(v < 1e-5 for r in run.results.values() for v in r["diffs"].values())

@@ -1,6 +1,6 @@
 """Where the memory goes: bytes of parameters, gradients, Adam state and activations held on each rank.
 
-    torchrun --standalone --nproc-per-node 2 helpers/workers/mp_memory.py --modes ddp zero1 fsdp
+    torchrun --standalone --nproc-per-node 2 helpers/workers/model_parallel_memory.py --modes ddp zero1 fsdp
 
 ddp:   every rank holds everything (ZeRO stage 0).
 zero1: ZeroRedundancyOptimizer, each rank keeps Adam's state for its share of the parameters.

@@ -1,6 +1,6 @@
 """Three DDP options, measured: find_unused_parameters, static_graph, gradient_as_bucket_view.
 
-    torchrun --standalone --nproc-per-node 2 helpers/workers/dpddp_options.py
+    torchrun --standalone --nproc-per-node 2 helpers/workers/dp_vs_ddp_options.py
 
 For each setting: median milliseconds per step, and how many separate gradient buffers exist
 (gradient_as_bucket_view makes each .grad a view into DDP's bucket, so gradients are not stored

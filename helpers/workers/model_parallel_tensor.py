@@ -1,6 +1,6 @@
 """Tensor parallelism by hand: a column-parallel Linear then a row-parallel Linear, one all-reduce.
 
-    torchrun --standalone --nproc-per-node 2 helpers/workers/mp_tensor.py
+    torchrun --standalone --nproc-per-node 2 helpers/workers/model_parallel_tensor.py
 
 Plain:    y = W2 relu(W1 x)          W1: [hidden, in], W2: [out, hidden]
 Parallel: rank r keeps rows r of W1 (a slice of the hidden units) and the matching columns of W2.

@@ -1,6 +1,6 @@
 """DDP training that survives a crash: checkpoint every N steps, resume from it after a restart.
 
-    torchrun --standalone --nproc-per-node 2 --max-restarts 1 helpers/workers/ft_train.py \
+    torchrun --standalone --nproc-per-node 2 --max-restarts 1 helpers/workers/fault_tolerance_train.py \
         --checkpoint ckpt.pt --fail-rank 1 --fail-step 7
 
 --checkpoint PATH      save there every --checkpoint-every steps, and resume from it at start-up

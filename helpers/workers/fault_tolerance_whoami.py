@@ -2,7 +2,7 @@
 
     # on each of two machines (node_rank 0 and 1), with HEAD = the first machine's address:
     torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint HEAD:29500 \
-        --rdzv-id job1 helpers/workers/ft_whoami.py
+        --rdzv-id job1 helpers/workers/fault_tolerance_whoami.py
 
 Works with any number of nodes and processes, on CPU (gloo) or GPUs (nccl).
 """

@@ -1,6 +1,6 @@
 """Profile one DDP training step: do the all-reduce calls overlap the backward pass?
 
-    torchrun --standalone --nproc-per-node 2 helpers/workers/dpddp_overlap.py --bucket-cap-mb 1
+    torchrun --standalone --nproc-per-node 2 helpers/workers/dp_vs_ddp_overlap.py --bucket-cap-mb 1
 
 Rank 0 records one step (after two warm-up steps, once DDP has settled its buckets) with
 torch.profiler and hands back the backward kernels and the all-reduce calls, with their start and

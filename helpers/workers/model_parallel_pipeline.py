@@ -1,8 +1,8 @@
 """Pipeline parallelism with torch.distributed.pipelining: micro-batches keep every stage busy.
 
-    torchrun --standalone --nproc-per-node 2 helpers/workers/mp_pipeline.py --microbatches 1 2 4 8
+    torchrun --standalone --nproc-per-node 2 helpers/workers/model_parallel_pipeline.py --microbatches 1 2 4 8
 
-The model is split as in mp_naive.py, one stage per rank, each wrapped in a PipelineStage. A
+The model is split as in model_parallel_naive.py, one stage per rank, each wrapped in a PipelineStage. A
 schedule (GPipe: all forwards then all backwards; 1F1B: alternate once the pipeline is full) cuts
 the batch into micro-batches and moves activations and gradients between ranks for us. Every rank
 records when its stage computes, and checks loss and gradients against the unsplit model.

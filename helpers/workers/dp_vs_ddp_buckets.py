@@ -1,6 +1,6 @@
 """Sweep DDP's bucket_cap_mb: how many all-reduce calls per step, and how long a step takes.
 
-    torchrun --standalone --nproc-per-node 2 helpers/workers/dpddp_buckets.py --caps 0.1 0.5 1 25
+    torchrun --standalone --nproc-per-node 2 helpers/workers/dp_vs_ddp_buckets.py --caps 0.1 0.5 1 25
 
 For each bucket cap, wraps the same deep MLP in DDP, counts the all-reduce calls with a comm hook
 (one call per bucket) and times a few training steps after warm-up. gloo on CPU, nccl on GPUs.

@@ -1,6 +1,6 @@
 """Gradient accumulation with DDP's no_sync(): fewer all-reduce calls, the same gradients.
 
-    torchrun --standalone --nproc-per-node 2 helpers/workers/dpddp_no_sync.py --accumulate 4
+    torchrun --standalone --nproc-per-node 2 helpers/workers/dp_vs_ddp_no_sync.py --accumulate 4
 
 Each rank accumulates gradients over `accumulate` micro-batches twice: once syncing on every
 backward, once inside no_sync() for all but the last. It counts the all-reduce calls (comm hook)

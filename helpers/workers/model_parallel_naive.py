@@ -1,6 +1,6 @@
 """Naive model parallelism: each rank holds some of the layers; activations go forward, gradients back.
 
-    torchrun --standalone --nproc-per-node 2 helpers/workers/mp_naive.py --repeats 3
+    torchrun --standalone --nproc-per-node 2 helpers/workers/model_parallel_naive.py --repeats 3
 
 Rank r runs layers r of `split_stages(mlp(...), world_size)`. It receives its input from rank r-1
 (dist.recv), sends its output to rank r+1 (dist.send), and in backward does the same in reverse

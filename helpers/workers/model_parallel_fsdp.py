@@ -1,6 +1,6 @@
 """FSDP2: each rank keeps a shard of every layer; layers are all-gathered to run, gradients reduce-scattered.
 
-    torchrun --standalone --nproc-per-node 2 helpers/workers/mp_fsdp.py --steps 3
+    torchrun --standalone --nproc-per-node 2 helpers/workers/model_parallel_fsdp.py --steps 3
 
 `fully_shard` is applied to every Linear layer, then to the whole model. Each rank prints the shapes
 it holds, counts the all-gathers and reduce-scatters of each step (by wrapping the two functions FSDP

@@ -1,0 +1,40 @@
+"""The one worker preamble: join the process group the way the hardware wants.
+
+    from helpers.distributed import init_distributed
+    rank, world_size, device = init_distributed()
+
+- Under `torchrun` (RANK in the environment) it joins the group torchrun describes: `nccl` with one
+  CUDA device per rank (`torch.cuda.set_device(local_rank)` and `device_id=`, so that NCCL binds the
+  right GPU at once), `gloo` on CPU.
+- Under plain `python` it makes a group of one (a HashStore, no network), so every worker also runs
+  as a single process.
+
+Lessons 00 and 02 write this out by hand, because there it is the lesson; every other worker calls this.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def pick_backend(backend: str | None = None) -> tuple[str, torch.device]:
+    """`nccl` and this rank's GPU when CUDA is present, else `gloo` and the CPU; `backend` overrides."""
+    use_cuda = torch.cuda.is_available() and backend != "gloo"
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+    return backend or ("nccl" if use_cuda else "gloo"), device
+
+
+def init_distributed(backend: str | None = None, **kwargs) -> tuple[int, int, torch.device]:
+    """Join the process group; return (rank, world_size, device). Extra keywords go to init_process_group."""
+    backend, device = pick_backend(backend)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        kwargs.setdefault("device_id", device)
+    if "RANK" in os.environ:  # started by torchrun: the environment says who we are
+        dist.init_process_group(backend, **kwargs)
+    else:  # plain `python`: a group of one, no network needed
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+    return dist.get_rank(), dist.get_world_size(), device
