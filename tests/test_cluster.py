@@ -18,7 +18,7 @@ from helpers.cluster import (
     validate_pytorch_job,
 )
 
-WHOAMI = Path(__file__).resolve().parent.parent / "helpers" / "workers" / "fault_tolerance_whoami.py"
+WHOAMI = Path(__file__).resolve().parent.parent / "helpers" / "workers" / "whoami.py"
 SHARED = JobSize(nodes=3, gpus_per_node=2, gpu_memory_mib=4000, gpu_cores_percent=25)
 IMAGE = "pytorch/pytorch:latest"
 
