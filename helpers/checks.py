@@ -20,7 +20,7 @@ def max_abs_diff(first: Any, second: Any) -> float:
     if isinstance(first, (list, tuple)) and first and isinstance(first[0], (torch.Tensor, list, tuple, Mapping)):
         if len(first) != len(second):
             raise ValueError(f"different lengths: {len(first)} and {len(second)}")
-        return max((max_abs_diff(a, b) for a, b in zip(first, second)), default=0.0)
+        return max((max_abs_diff(a, b) for a, b in zip(first, second, strict=True)), default=0.0)
     a = torch.as_tensor(first).detach().cpu().double()
     b = torch.as_tensor(second).detach().cpu().double()
     if a.shape != b.shape:
