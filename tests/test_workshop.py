@@ -1,0 +1,111 @@
+"""The workshop kit: learner copies without solutions, teacher copies, and the pre-flight check."""
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from helpers import preflight, workshop
+
+ROOT = Path(__file__).resolve().parent.parent
+CHECK_CALL = re.compile(r"\bcheck_\w+\(")
+
+
+def _notebooks(folder: Path) -> dict[str, dict]:
+    return {p.name: json.loads(p.read_text(encoding="utf-8")) for p in sorted((folder / "notebooks").glob("*.ipynb"))}
+
+
+def _text(notebook: dict) -> str:
+    return "\n".join("".join(cell["source"]) for cell in notebook["cells"])
+
+
+@pytest.fixture(scope="module")
+def student_copy(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("student")
+    workshop.write_copy(folder, student=True)
+    return folder
+
+
+def test_student_copy_has_every_lesson_and_no_solution(student_copy):
+    originals, copies = _notebooks(ROOT), _notebooks(student_copy)
+    assert sorted(copies) == sorted(originals)  # catches a lesson lost on the way
+    solutions = [p.name for p in (ROOT / "helpers" / "workers").glob("*_solution.py")]
+    assert solutions, "the repository has solution files; otherwise this test checks nothing"
+    for name in solutions:
+        assert not (student_copy / "helpers" / "workers" / name).exists()
+    for name, notebook in copies.items():
+        text = _text(notebook)
+        assert not re.search(r"<summary>\s*Solution", text, re.IGNORECASE), name
+        assert "_solution.py" not in text, name
+
+
+def test_student_copy_keeps_every_check_on_the_learners_work(student_copy):
+    originals, copies = _notebooks(ROOT), _notebooks(student_copy)
+    for name, original in originals.items():
+        # every check call that is not run on a solution file must survive
+        wanted = [src for cell in original["cells"] if cell["cell_type"] == "code"
+                  for src in ["".join(cell["source"])] if CHECK_CALL.search(src) and "_solution" not in src]
+        kept = _text(copies[name])
+        for source in wanted:
+            assert source in kept, f"{name}: a check cell was removed"
+        removed = len(original["cells"]) - len(copies[name]["cells"])
+        assert removed <= 3, f"{name}: {removed} cells removed; only solution cells should go"
+
+
+def test_student_copy_can_clear_outputs(tmp_path):
+    workshop.write_copy(tmp_path, student=True, clear_outputs=True)
+    for notebook in _notebooks(tmp_path).values():
+        assert all(not c.get("outputs") for c in notebook["cells"] if c["cell_type"] == "code")
+
+
+def test_teacher_copy_keeps_solutions(tmp_path):
+    workshop.write_copy(tmp_path, student=False)
+    assert list((tmp_path / "helpers" / "workers").glob("*_solution.py"))
+    assert _notebooks(tmp_path).keys() == _notebooks(ROOT).keys()
+    for name, notebook in _notebooks(tmp_path).items():
+        assert notebook == json.loads((ROOT / "notebooks" / name).read_text(encoding="utf-8"))
+
+
+def test_copy_refuses_a_folder_with_files(tmp_path):
+    (tmp_path / "precious.txt").write_text("a learner's work")
+    with pytest.raises(FileExistsError, match="not empty"):
+        workshop.write_copy(tmp_path, student=True)
+
+
+def test_solution_blocks_go_but_the_rest_of_the_cell_stays():
+    cells = [
+        {"cell_type": "markdown", "metadata": {},
+         "source": ["Hint: use a ring.\n\n<details><summary>Solution</summary>\n", "secret\n</details>\n"]},
+        {"cell_type": "markdown", "metadata": {}, "source": ["The solution, checked:"]},
+        {"cell_type": "code", "metadata": {}, "source": ["check_it('x_solution.py')"], "outputs": [],
+         "execution_count": 3},
+        {"cell_type": "code", "metadata": {"tags": ["solution"]}, "source": ["answer = 42"], "outputs": [],
+         "execution_count": 4},
+        {"cell_type": "code", "metadata": {}, "source": ["check_it('mine.py')"], "outputs": [], "execution_count": 5},
+    ]
+    kept = workshop.student_cells(cells)
+    assert ["".join(c["source"]) for c in kept] == ["Hint: use a ring.", "check_it('mine.py')"]
+
+
+def test_preflight_passes_here_and_launches(capsys):
+    assert preflight.main.__module__ == "helpers.preflight"
+    status, text = preflight.check_launch()
+    assert status == "OK", text  # a real 2-rank launch with an all_reduce
+    assert preflight.check_loopback()[0] == "OK"
+    assert preflight.check_runs_folder()[0] == "OK"
+
+
+def test_preflight_says_what_to_fix(monkeypatch, capsys):
+    monkeypatch.setattr(preflight, "memory_limit_bytes", lambda: 1 * preflight.GIB)
+    monkeypatch.setattr(preflight, "check_launch", lambda: ("OK", "skipped in this test"))
+    monkeypatch.setattr("sys.argv", ["preflight"])
+    assert preflight.main() == 1  # catches a preflight that prints FIX but exits 0
+    out = capsys.readouterr().out
+    assert "FIX  memory" in out and "about 2 GiB" in out and "Not ready" in out
+
+
+def test_pinned_version_reads_requirements(tmp_path):
+    requirements = tmp_path / "requirements.txt"
+    requirements.write_text("numpy==2.4.6\ntorch==2.14.1  # CPU or GPU\n")
+    assert preflight.pinned_version("torch", requirements) == "2.14.1"
+    assert preflight.pinned_version("scipy", requirements) is None
