@@ -2,6 +2,8 @@
 
     from helpers.collectives import draw_collectives, draw_barrier, bandwidth_rows, fit_latency_bandwidth
     draw_collectives(run, ["broadcast", "all_reduce"])   # run of helpers/workers/collectives_tour.py
+    latency, bandwidth = fit_latency_bandwidth(sizes, seconds)          # a 2-rank sweep
+    predict_allreduce_seconds(64 * 2**20, 8, latency, bandwidth)        # the ring model for 8 ranks
     check_all_gather("runs/my_all_gather.py")            # the lesson's exercise
 
 Taught in notebooks/01_collectives.ipynb.
@@ -17,6 +19,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.patches import Rectangle
 
+from helpers.checks import correct, not_yet
 from helpers.launch import LaunchTimeout, Run, WorkerFailed, launch
 
 RANK_COLOURS = plt.get_cmap("tab10").colors
@@ -71,11 +74,11 @@ def draw_collective(run: Run, operation: str, ax: plt.Axes | None = None,
 
 
 def draw_collectives(run: Run, operations: Sequence[str], unspecified: dict[str, Sequence[int]] | None = None,
-                     ) -> np.ndarray:
-    """One picture per operation, side by side in a grid of two columns."""
-    rows = (len(operations) + 1) // 2
+                     columns: int = 2) -> np.ndarray:
+    """One picture per operation, side by side in a grid of `columns` columns."""
+    rows = (len(operations) + columns - 1) // columns
     world_size = len(run.results)
-    _, axes = plt.subplots(rows, 2, figsize=(10, rows * (0.6 + 0.45 * world_size)), dpi=80,
+    _, axes = plt.subplots(rows, columns, figsize=(10, rows * (0.6 + 0.45 * world_size)), dpi=80,
                            layout="constrained", squeeze=False)
     for ax, operation in zip(axes.flat, operations, strict=False):
         draw_collective(run, operation, ax=ax, unspecified=(unspecified or {}).get(operation, ()))
@@ -107,6 +110,24 @@ def draw_barrier(run: Run, ax: plt.Axes | None = None) -> plt.Axes:
 def bus_factor(world_size: int) -> float:
     """2(N-1)/N: the fraction of the tensor each rank sends (and receives) in a ring all-reduce."""
     return 2 * (world_size - 1) / world_size
+
+
+def predict_allreduce_seconds(size_bytes: float, world_size: int, latency: float, bandwidth: float,
+                              algorithm: str = "ring") -> float:
+    """Time of one all_reduce of `size_bytes` on `world_size` ranks, from a 2-rank fit t = latency + S / bandwidth.
+
+    Ring (gloo's default, gloo/allreduce.cc): 2(N-1) neighbour steps, each one chunk of S/N bytes. Each step
+    pays a fixed cost alpha, and every rank sends 2(N-1)/N * S bytes at `bandwidth`:
+        t(S, N) = 2(N-1) alpha + 2(N-1)/N * S / bandwidth.
+    On 2 ranks that is 2 alpha + S / bandwidth, so the fitted 2-rank `latency` is 2 alpha, not alpha:
+        t(S, N) = (N-1) latency + 2(N-1)/N * S / bandwidth,  and t(S, 2) is the fit itself.
+    The model assumes that every rank has a link and a CPU of its own, as on a cluster.
+    """
+    if algorithm != "ring":
+        raise ValueError(f"unknown algorithm {algorithm!r}: only 'ring' is modelled")
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    return (world_size - 1) * latency + bus_factor(world_size) * size_bytes / bandwidth
 
 
 def bandwidth_rows(sizes: Sequence[int], seconds: Sequence[float], world_size: int) -> list[dict[str, float]]:
@@ -144,26 +165,21 @@ def check_all_gather(script: str | Path, nproc: int = 3, timeout: float = 60) ->
     """
     source = Path(script).read_text()
     if re.search(r"\ball_gather(_into_tensor|_object)?\s*\(", source):  # all_gather_by_hand( does not match
-        print("Not yet: build it from send/recv (or isend/irecv), without calling dist.all_gather.")
-        return False
+        return not_yet("build it from send/recv (or isend/irecv), without calling dist.all_gather.")
     try:
         run = launch(script, nproc=nproc, echo=False, timeout=timeout)
     except LaunchTimeout:
-        print(f"Not yet: the script was still running after {timeout:g} s. A deadlock? "
-              "(two ranks that both block in send, each waiting for the other to receive)")
-        return False
+        return not_yet(f"the script was still running after {timeout:g} s. A deadlock? "
+                       "(two ranks that both block in send, each waiting for the other to receive)")
     except WorkerFailed as error:
         # the exception's own line, not the rank number: which rank fails first varies between runs
         raised = [line.strip() for line in str(error).splitlines()
                   if re.match(r"\w+(Error|Exception)\b", line)]
-        print(f"Not yet: the script failed with {raised[-1] if raised else 'an error (see the logs)'}")
-        return False
+        return not_yet(f"the script failed with {raised[-1] if raised else 'an error (see the logs)'}")
     expected = [[10.0 * rank + i for i in range(3)] for rank in range(nproc)]
     for rank in range(nproc):
         got: Any = run.results.get(rank, {}).get("gathered")
         if got != expected:
-            print(f"Not yet: rank {rank} gathered {got}, expected {expected}.")
-            return False
-    print(f"Correct: each of {nproc} ranks holds every rank's tensor, in rank order, "
-          "built from point-to-point messages only.")
-    return True
+            return not_yet(f"rank {rank} gathered {got}, expected {expected}.")
+    return correct(f"each of {nproc} ranks holds every rank's tensor, in rank order, "
+                   "built from point-to-point messages only.")

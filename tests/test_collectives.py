@@ -11,6 +11,7 @@ from helpers.collectives import (
     fit_latency_bandwidth,
     format_bytes,
     owner,
+    predict_allreduce_seconds,
 )
 
 WORKERS = Path(__file__).resolve().parent.parent / "helpers" / "workers"
@@ -27,6 +28,13 @@ def test_tour_gives_every_collective_its_documented_result():
     assert seen[0]["reduce_scatter"]["after"] == [12.0, 14.0]
     assert seen[1]["reduce_scatter"]["after"] == [16.0, 18.0]
     assert all(seen[r]["all_gather"]["after"] == [12.0, 14.0, 16.0, 18.0] for r in (0, 1))
+    assert [seen[r]["scatter"]["after"] for r in (0, 1)] == [[1.0, 2.0], [3.0, 4.0]]
+    assert seen[0]["gather"]["after"] == [1.0, 2.0, 3.0, 4.0, 11.0, 12.0, 13.0, 14.0]
+    assert seen[1]["gather"]["after"] == []  # only dst receives
+    assert [seen[r]["all_to_all"]["after"] for r in (0, 1)] == [[1.0, 2.0, 11.0, 12.0], [3.0, 4.0, 13.0, 14.0]]
+    assert all(seen[r]["all_reduce(async_op=True)"]["after"] == [12.0, 14.0, 16.0, 18.0] for r in (0, 1))
+    handle = run.results[0]["work_handle"]  # rank 0 is on time, rank 1 joins late
+    assert not handle["completed_at_return"] and handle["completed_after_wait"]
     barrier = [run.results[r]["barrier"] for r in (0, 1)]
     assert min(t["left"] for t in barrier) >= max(t["arrived"] for t in barrier)
 
@@ -39,6 +47,8 @@ def test_hand_written_ring_matches_all_reduce_and_sends_the_ring_share(nproc, nu
         assert outcome["max_abs_diff"] < 1e-5
         share = bus_factor(nproc) * outcome["tensor_bytes"]
         assert abs(outcome["bytes_sent"] - share) <= 2 * (nproc - 1) * 4  # at most a float per step
+        if outcome["ring_os_bytes"] is not None:  # Linux: the OS saw at least those bytes, plus headers
+            assert share <= outcome["ring_os_bytes"] <= share + 1024 * max(nproc - 1, 0)
 
 
 def test_bandwidth_sweep_returns_one_time_per_size():
@@ -61,6 +71,17 @@ def test_fit_recovers_latency_and_bandwidth():
     sizes = [1024 * 4**i for i in range(9)]
     latency, bandwidth = fit_latency_bandwidth(sizes, [50e-6 + size / 2e9 for size in sizes])
     assert latency == pytest.approx(50e-6, rel=1e-6) and bandwidth == pytest.approx(2e9, rel=1e-6)
+
+
+def test_ring_model_reproduces_the_two_rank_fit_and_grows_with_ranks():
+    latency, bandwidth, size = 1e-3, 5e8, 64 * 2**20
+    assert predict_allreduce_seconds(size, 2, latency, bandwidth) == pytest.approx(latency + size / bandwidth)
+    assert predict_allreduce_seconds(size, 1, latency, bandwidth) == 0.0
+    # 8 ranks: 14 steps of latency / 2 each, and 1.75 S bytes per rank
+    eight = predict_allreduce_seconds(size, 8, latency, bandwidth)
+    assert eight == pytest.approx(7 * latency + 1.75 * size / bandwidth)
+    with pytest.raises(ValueError):
+        predict_allreduce_seconds(size, 8, latency, bandwidth, algorithm="butterfly")
 
 
 def test_bus_bandwidth_and_small_helpers():

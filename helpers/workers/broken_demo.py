@@ -8,16 +8,17 @@ traceback, and no process left behind (rank 0 is stopped while blocked in all_re
 import torch
 import torch.distributed as dist
 
+from helpers.distributed import init_distributed
+
 
 def scale(step: int, rank: int) -> float:
     return 1.0 / (3 - step) if rank == 1 else 1.0
 
 
 def main() -> None:
-    dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
-    rank = dist.get_rank()
+    rank, _, device = init_distributed()
     for step in range(5):
-        total = torch.tensor([scale(step, rank)])
+        total = torch.tensor([scale(step, rank)], device=device)
         dist.all_reduce(total)
         print(f"step {step}: sum {total.item():.3f}")
 

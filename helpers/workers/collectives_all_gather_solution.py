@@ -7,11 +7,10 @@ from each of them, then waits for all of them. Blocking send/recv in a loop coul
 ranks that both start with `send` would each wait for the other to receive.
 Works with any number of processes, on CPU (gloo) or GPUs (nccl).
 """
-import os
-
 import torch
 import torch.distributed as dist
 
+from helpers.distributed import init_distributed
 from helpers.worker import result
 
 
@@ -31,10 +30,7 @@ def all_gather_by_hand(tensor: torch.Tensor) -> list[torch.Tensor]:
 
 
 def main() -> None:
-    use_cuda = torch.cuda.is_available()
-    dist.init_process_group(backend="nccl" if use_cuda else "gloo")
-    rank = dist.get_rank()
-    device = torch.device(f"cuda:{int(os.environ['LOCAL_RANK'])}" if use_cuda else "cpu")
+    rank, _, device = init_distributed()
     mine = torch.arange(3, dtype=torch.float32, device=device) + 10 * rank
     result(gathered=[piece.cpu().tolist() for piece in all_gather_by_hand(mine)])
     dist.destroy_process_group()

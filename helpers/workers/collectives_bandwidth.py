@@ -8,13 +8,13 @@ together after a barrier. A call lasts as long as its slowest rank, so we keep t
 Works with any number of processes, on CPU (gloo) or GPUs (nccl, timed with a device synchronize).
 """
 import argparse
-import os
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
 
+from helpers.distributed import init_distributed
 from helpers.worker import progress, report, result
 
 
@@ -43,10 +43,7 @@ def main() -> None:
     parser.add_argument("--factor", type=int, default=4, help="each size is this many times the last")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    use_cuda = torch.cuda.is_available()
-    dist.init_process_group(backend="nccl" if use_cuda else "gloo")
-    rank = dist.get_rank()
-    device = torch.device(f"cuda:{int(os.environ['LOCAL_RANK'])}" if use_cuda else "cpu")
+    rank, world_size, device = init_distributed()
 
     sizes = []
     size = args.min_bytes
@@ -62,7 +59,7 @@ def main() -> None:
         report(step=index, bytes=size, seconds=seconds[-1])
         progress(index + 1, total=len(sizes))
     if rank == 0:
-        result(sizes=sizes, seconds=seconds, world_size=dist.get_world_size(),
+        result(sizes=sizes, seconds=seconds, world_size=world_size,
                backend=dist.get_backend())
     dist.destroy_process_group()
 

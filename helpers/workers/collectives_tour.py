@@ -4,15 +4,18 @@
 
 Rank r starts from [10r+1, 10r+2, ...] so that every number says which rank it came from.
 Works with any number of processes, on CPU (gloo) or GPUs (nccl). Under helpers.launch each rank
-hands back {operation: {"before": [...], "after": [...]}} plus the barrier's arrival/leave times.
+hands back {operation: {"before": [...], "after": [...]}}, the barrier's arrival/leave times and
+what the non-blocking (async_op=True) all_reduce's work handle said.
 """
-import os
 import time
 
 import torch
 import torch.distributed as dist
 
+from helpers.distributed import init_distributed
 from helpers.worker import result
+
+LATE_SECONDS = 0.3  # in the async demo the last rank joins this late, so nobody can finish before
 
 
 def starting_tensor(rank: int, length: int, device: torch.device) -> torch.Tensor:
@@ -20,16 +23,31 @@ def starting_tensor(rank: int, length: int, device: torch.device) -> torch.Tenso
     return torch.arange(1, length + 1, dtype=torch.float32, device=device) + 10 * rank
 
 
+def non_blocking_all_reduce(tensor: torch.Tensor, rank: int, world_size: int) -> dict:
+    """all_reduce(async_op=True) returns a work handle at once; the sum is there only after wait()."""
+    if rank == world_size - 1:
+        time.sleep(LATE_SECONDS)  # the last rank is late: the others' all_reduce cannot be done yet
+    started = time.perf_counter()
+    work = dist.all_reduce(tensor, async_op=True)
+    returned = time.perf_counter()
+    done_at_return = work.is_completed()
+    other = torch.randn(256, 256, device=tensor.device)
+    other @ other  # this rank is free to compute while the all_reduce is in flight
+    work.wait()  # from here on `tensor` holds the sum (on GPUs: the current stream waits for it)
+    return {"call_seconds": returned - started, "wait_seconds": time.perf_counter() - returned,
+            "completed_at_return": done_at_return, "completed_after_wait": work.is_completed(),
+            "late": rank == world_size - 1}
+
+
 def main() -> None:
-    use_cuda = torch.cuda.is_available()
-    dist.init_process_group(backend="nccl" if use_cuda else "gloo")
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    device = torch.device(f"cuda:{int(os.environ['LOCAL_RANK'])}" if use_cuda else "cpu")
-    length = 4 if 4 % world_size == 0 else world_size  # reduce_scatter needs equal chunks
+    rank, world_size, device = init_distributed()
+    length = 4 if 4 % world_size == 0 else world_size  # reduce_scatter and all_to_all need equal chunks
     seen: dict[str, dict[str, list]] = {}
 
-    def record(name: str, before: torch.Tensor, after: torch.Tensor) -> None:
-        seen[name] = {"before": before.cpu().tolist(), "after": after.cpu().tolist()}
+    def record(name: str, before: torch.Tensor | None, after: torch.Tensor | None) -> None:
+        """None: this rank has nothing there (e.g. no output on a rank that is not dst)."""
+        seen[name] = {"before": [] if before is None else before.cpu().tolist(),
+                      "after": [] if after is None else after.cpu().tolist()}
 
     # send/recv: blocking point-to-point, rank 0 -> rank 1; everyone else just watches
     tensor = starting_tensor(rank, length, device)
@@ -66,6 +84,24 @@ def main() -> None:
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     record("all_reduce", before, tensor)
 
+    # scatter: rank 0 cuts its tensor into world_size chunks and rank r receives chunk r
+    tensor = starting_tensor(rank, length, device)
+    piece = torch.empty(length // world_size, device=device)
+    dist.scatter(piece, list(tensor.chunk(world_size)) if rank == 0 else None, src=0)
+    record("scatter", tensor if rank == 0 else None, piece)
+
+    # gather: every rank's tensor lands on rank 0, in rank order; the other ranks receive nothing
+    tensor = starting_tensor(rank, length, device)
+    pieces = [torch.empty_like(tensor) for _ in range(world_size)] if rank == 0 else None
+    dist.gather(tensor, pieces, dst=0)
+    record("gather", tensor, torch.cat(pieces) if rank == 0 else None)
+
+    # all_to_all: rank r sends its chunk j to rank j and receives chunk r of every rank (a transpose)
+    tensor = starting_tensor(rank, length, device)
+    incoming = [torch.empty(length // world_size, device=device) for _ in range(world_size)]
+    dist.all_to_all(incoming, list(tensor.chunk(world_size)))
+    record("all_to_all", tensor, torch.cat(incoming))
+
     # reduce_scatter: sum everything, but rank r keeps only chunk r of the sum
     tensor = starting_tensor(rank, length, device)
     chunk = torch.empty(length // world_size, device=device)
@@ -77,13 +113,18 @@ def main() -> None:
     dist.all_gather(pieces, chunk)
     record("all_gather", chunk, torch.cat(pieces))
 
+    tensor = starting_tensor(rank, length, device)
+    before = tensor.clone()
+    handle = non_blocking_all_reduce(tensor, rank, world_size)
+    record("all_reduce(async_op=True)", before, tensor)
+
     # barrier: ranks arrive at different times and nobody leaves before the last one arrives
     dist.barrier()
     time.sleep(0.15 * rank)
     arrived = time.time()
     dist.barrier()
     left = time.time()
-    result(tensors=seen, barrier={"arrived": arrived, "left": left}, world_size=world_size)
+    result(tensors=seen, barrier={"arrived": arrived, "left": left}, work_handle=handle, world_size=world_size)
     dist.destroy_process_group()
 
 
