@@ -6,15 +6,17 @@ turned into a LaunchConfig by torchrun's own ``config_from_args``, so workers se
 environment a terminal ``torchrun`` gives them. Only the entry point differs: workers start in
 :mod:`helpers._bootstrap`, forked from this process (fast) or as fresh interpreters.
 
-Writes ``agent_result.json`` into the run folder: success, or every failed rank with its exit code.
+Writes the agent's result file into the run folder (helpers/_run_folder.py): success, or every failed
+rank with its exit code. Its own exit code is one of _run_folder's AGENT_* codes.
 """
 from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 import traceback
+
+from helpers import _run_folder
 
 
 def _torchrun_argv(spec: dict) -> list[str]:
@@ -64,7 +66,7 @@ def run_agent(spec: dict) -> int:
     # Elastic logs each failed worker with logger.exception, whose formatting takes ~3 s here
     # (it walks and imports modules); the launcher reports failures from its own records instead.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
-    result_path = os.path.join(spec["run_dir"], f"agent_result_node{spec['node_rank']}.json")
+    result_path = _run_folder.node_file(spec["run_dir"], "agent_result", spec["node_rank"])
     args = torchrun.get_args_parser().parse_args(_torchrun_argv(spec))
     config = _config_without_touching_cuda(torchrun, args)
     script_and_args = [spec["script"], *spec["args"]]
@@ -74,13 +76,12 @@ def run_agent(spec: dict) -> int:
         entrypoint, entry_args = run_script, script_and_args
     try:
         elastic_launch(config, entrypoint)(*entry_args)
-        outcome, code = {"ok": True}, 0
+        outcome, code = {"ok": True}, _run_folder.AGENT_OK
     except ChildFailedError as error:
-        outcome, code = {"ok": False, "failures": _failures(error)}, 1
+        outcome, code = {"ok": False, "failures": _failures(error)}, _run_folder.AGENT_WORKERS_FAILED
     except Exception:
-        outcome, code = {"ok": False, "agent_error": traceback.format_exc()}, 2
-    with open(result_path, "w") as f:
-        json.dump(outcome, f)
+        outcome, code = {"ok": False, "agent_error": traceback.format_exc()}, _run_folder.AGENT_ERROR
+    _run_folder.write_json(result_path, outcome)
     return code
 
 

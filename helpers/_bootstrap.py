@@ -1,9 +1,10 @@
 """The first code every worker runs, before the learner's script: used by the launcher only.
 
 It ties the worker's life to its agent (so no worker outlives a dead launcher), makes output
-line-buffered (so the notebook sees it live), tells the launcher which global rank this process is,
-records a precise failure time and traceback if the script raises, then runs the script as
-``__main__`` exactly as ``python script.py`` would.
+line-buffered (so the notebook sees it live), lets the launcher ask for its Python stacks (a hang
+becomes a diagnosis), tells the launcher which global rank this process is, records a precise
+failure time and traceback if the script raises, then runs the script as ``__main__`` exactly as
+``python script.py`` would. Standard library only (and helpers._run_folder).
 
 Fresh-interpreter mode runs ``python -u -m helpers._bootstrap script.py args...``; fork mode calls
 :func:`run_script` in a process forked from the preloaded launch server.
@@ -11,13 +12,15 @@ Fresh-interpreter mode runs ``python -u -m helpers._bootstrap script.py args...`
 from __future__ import annotations
 
 import ctypes
-import json
+import faulthandler
 import os
 import runpy
 import signal
 import sys
 import time
 import traceback
+
+from helpers import _run_folder
 
 PR_SET_PDEATHSIG = 1
 
@@ -32,28 +35,12 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
         os._exit(1)
 
 
-def _write_json(path: str, data: dict) -> None:
+def _answer_stack_requests(run_dir: str, me: dict) -> None:
+    """On STACK_SIGNAL, append every thread's Python stack to this rank's stacks file. faulthandler
+    writes from a C signal handler, so it answers even while the script waits inside a collective."""
+    path = _run_folder.rank_file(run_dir, "stacks", me["rank"], me["attempt"])
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)
-
-
-def _identity() -> dict:
-    return {
-        "rank": int(os.environ.get("RANK", 0)),
-        "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
-        # the launcher's node number (GROUP_RANK may differ: c10d assigns it by arrival)
-        "node": int(os.environ.get("HELPERS_NODE", os.environ.get("GROUP_RANK", 0))),
-        "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
-        "pid": os.getpid(),
-    }
-
-
-def _worker_file(run_dir: str, folder: str, me: dict) -> str:
-    name = f"node{me['node']}-local{me['local_rank']}-attempt{me['attempt']}.json"
-    return os.path.join(run_dir, folder, name)
+    faulthandler.register(_run_folder.STACK_SIGNAL, file=open(path, "w"), all_threads=True, chain=False)
 
 
 def run_script(script: str, *args: str) -> None:
@@ -68,23 +55,28 @@ def run_script(script: str, *args: str) -> None:
         # interpreter would.
         sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     run_dir = os.environ.get("HELPERS_RUN_DIR")
-    me = _identity()
+    me = _run_folder.identity()
     if run_dir:
-        _write_json(_worker_file(run_dir, "workers", me), {**me, "started": time.time()})
+        _answer_stack_requests(run_dir, me)  # before registering: the launcher signals registered pids
+        _run_folder.write_json(_run_folder.rank_file(run_dir, "workers", me["rank"], me["attempt"]),
+                               {**me, "started": time.time()})
     sys.argv = [script, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     try:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as stop:
         if stop.code not in (None, 0) and run_dir:
-            _write_json(_worker_file(run_dir, "failures", me),
-                        {**me, "time": time.time(), "traceback": f"SystemExit: {stop.code}\n"})
+            _record_failure(run_dir, me, f"SystemExit: {stop.code}\n")
         raise
     except BaseException:
         if run_dir:
-            _write_json(_worker_file(run_dir, "failures", me),
-                        {**me, "time": time.time(), "traceback": traceback.format_exc()})
+            _record_failure(run_dir, me, traceback.format_exc())
         raise
+
+
+def _record_failure(run_dir: str, me: dict, text: str) -> None:
+    _run_folder.write_json(_run_folder.rank_file(run_dir, "failures", me["rank"], me["attempt"]),
+                           {**me, "time": time.time(), "traceback": text})
 
 
 if __name__ == "__main__":

@@ -18,6 +18,9 @@ import signal
 import sys
 import traceback
 
+from helpers import _run_folder
+from helpers._run_folder import AGENT_DIED
+
 agents: set[int] = set()
 
 
@@ -30,7 +33,7 @@ def _start_agent(spec: dict) -> int:
     pid = os.fork()
     if pid:
         return pid
-    code = 3
+    code = AGENT_DIED
     try:
         os.setpgid(0, 0)
         from helpers._agent import run_agent
@@ -38,7 +41,7 @@ def _start_agent(spec: dict) -> int:
 
         die_with_parent()
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-        log = os.open(os.path.join(spec["run_dir"], f"agent_node{spec['node_rank']}.log"),
+        log = os.open(_run_folder.node_file(spec["run_dir"], "agent_log", spec["node_rank"]),
                       os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         os.dup2(log, 1)
         os.dup2(log, 2)

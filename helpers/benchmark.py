@@ -18,7 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from helpers.launch import _LaunchServer, launch
+from helpers._handles import LaunchServer
+from helpers.launch import launch
 
 SCRIPT = Path(__file__).resolve().parent / "workers" / "allreduce_demo.py"
 
@@ -35,7 +36,7 @@ def time_launch(fresh: bool = False) -> float:
 
 def compare(rounds: int = 5, fresh: bool = False) -> dict[str, float]:
     """Median seconds per job for each way of launching, and helpers.launch / bare torchrun."""
-    _, server_start = _LaunchServer.get()
+    _, server_start = LaunchServer.get()
     bare, ours, ours_fresh = [], [], []
     for _ in range(rounds):
         bare.append(time_bare_torchrun())

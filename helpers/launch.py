@@ -10,25 +10,30 @@ By default the agent is forked from a launch server that has already imported to
 ``fresh=True`` starts fresh interpreters instead, as a terminal torchrun does. While the job runs,
 every line of every rank is printed with its rank, a progress bar follows what workers report
 through helpers.worker, and a failure anywhere stops everything and raises WorkerFailed with the
-failing rank's traceback. Logs stay in the run folder afterwards.
+failing rank's traceback. A timeout, or an interrupt of the cell, first asks every live rank for
+its Python stack and says where each one was stuck. Logs stay in the run folder afterwards.
+
+Supported systems: Linux (forked workers, the default) and macOS (``fresh=True``, the default there).
+The launcher uses POSIX process groups and signals: on Windows, run the lessons in WSL2.
 """
 from __future__ import annotations
 
-import json
 import os
-import re
-import select
 import signal
-import socket
-import subprocess
 import sys
+import sysconfig
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from helpers._display import REPO_ROOT, LiveView, short_path
+from helpers import _diagnosis, _run_folder
+from helpers._display import Echo, Progress
+from helpers._handles import Agent, child_env, free_port
+
+__all__ = ["Job", "LaunchInterrupted", "LaunchTimeout", "Run", "WorkerFailed", "free_port", "launch",
+           "start", "wait"]
 
 # Python-side names of the torchrun options that pass through (see `torchrun --help`).
 TORCHRUN_OPTIONS = {
@@ -36,6 +41,8 @@ TORCHRUN_OPTIONS = {
     "master_addr", "master_port", "local_addr", "role", "start_method", "monitor_interval",
 }
 _FORK_SAFE = sys.platform.startswith("linux")
+REPO_ROOT = Path(__file__).resolve().parent.parent
+_LIBRARY_DIRS = tuple({sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")})
 
 
 class WorkerFailed(RuntimeError):
@@ -48,7 +55,19 @@ class WorkerFailed(RuntimeError):
 
 
 class LaunchTimeout(WorkerFailed, TimeoutError):
-    """The job ran past `timeout`; every worker was stopped."""
+    """The job ran past `timeout`; every worker was stopped. `.where[rank]` says where each rank was
+    (one line), `.stacks[rank]` holds its full Python stack (also in the run folder's stacks/)."""
+
+    where: dict[int, str]
+    stacks: dict[int, str]
+
+
+class LaunchInterrupted(KeyboardInterrupt):
+    """The cell was interrupted; every worker was stopped. `.where`, `.stacks`, `.run` as LaunchTimeout."""
+
+    def __init__(self, message: str, where: dict[int, str], stacks: dict[int, str], run: Run) -> None:
+        super().__init__(message)
+        self.where, self.stacks, self.run = where, stacks, run
 
 
 @dataclass
@@ -75,112 +94,24 @@ class Run:
                 f"metric rows={len(self.metrics)}, log_dir={str(self.log_dir)!r})")
 
 
-# ---------------------------------------------------------------------------- launch server
-
-class _LaunchServer:
-    """The kernel's handle on helpers/_server.py (started once, on first use)."""
-
-    instance: _LaunchServer | None = None
-
-    def __init__(self) -> None:
-        started = time.perf_counter()
-        self.proc = subprocess.Popen([sys.executable, "-m", "helpers._server"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, start_new_session=True, env=_child_env())
-        self.buffer = b""
-        self.exit_codes: dict[int, int] = {}
-        self._read_until("ready", timeout=120)
-        self.start_time = time.perf_counter() - started
-
-    @classmethod
-    def get(cls) -> tuple[_LaunchServer, float]:
-        """The running server and how long this call spent starting it (0 when already up)."""
-        if cls.instance is None or cls.instance.proc.poll() is not None:
-            cls.instance = cls()
-            return cls.instance, cls.instance.start_time
-        return cls.instance, 0.0
-
-    def _messages(self, timeout: float) -> list[dict]:
-        fd = self.proc.stdout.fileno()
-        if select.select([fd], [], [], timeout)[0]:
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                raise RuntimeError("the launch server exited unexpectedly; run the cell again")
-            self.buffer += chunk
-        lines = self.buffer.split(b"\n")
-        self.buffer = lines.pop()
-        messages = [json.loads(line) for line in lines if line.strip()]
-        for message in messages:
-            if "exited" in message:
-                self.exit_codes[message["exited"]] = message["code"]
-        return messages
-
-    def _read_until(self, key: str, timeout: float) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for message in self._messages(0.1):
-                if key in message:
-                    return message
-        raise RuntimeError(f"the launch server did not answer '{key}' within {timeout:.0f} s")
-
-    def start(self, spec: dict) -> int:
-        self.proc.stdin.write((json.dumps({"spec": spec}) + "\n").encode())
-        self.proc.stdin.flush()
-        return self._read_until("started", timeout=30)["started"]
-
-    def poll(self, pid: int) -> int | None:
-        self._messages(0)
-        return self.exit_codes.pop(pid, None)
-
-
-def free_port() -> int:
-    """A TCP port on loopback that is free right now (for an explicit rdzv_endpoint)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    root = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    return env
-
-
-class _Agent:
-    """One torchrun agent process (a process-group leader), forked by the server or fresh."""
-
-    def __init__(self, spec: dict) -> None:
-        if spec["fresh"]:
-            spec_path = Path(spec["run_dir"]) / f"spec_node{spec['node_rank']}.json"
-            spec_path.write_text(json.dumps(spec))
-            with open(Path(spec["run_dir"]) / f"agent_node{spec['node_rank']}.log", "ab") as log:
-                self.popen = subprocess.Popen([sys.executable, "-m", "helpers._agent", str(spec_path)],
-                                              stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                              start_new_session=True, env=spec["env"], cwd=spec["cwd"])
-            self.pid, self.server, self.server_start = self.popen.pid, None, 0.0
-        else:
-            self.popen = None
-            self.server, self.server_start = _LaunchServer.get()
-            self.pid = self.server.start(spec)
-        self.code: int | None = None
-
-    def poll(self) -> int | None:
-        if self.code is None:
-            self.code = self.popen.poll() if self.popen else self.server.poll(self.pid)
-        return self.code
-
-    def signal_group(self, sig: int) -> None:
+def short_path(path: str | os.PathLike) -> Path:
+    """`path` relative to the working directory or the repository: no machine paths in outputs."""
+    path = Path(os.path.abspath(path))
+    for base in (Path.cwd(), REPO_ROOT):
         try:
-            os.killpg(self.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
+            return path.relative_to(base)
+        except ValueError:
+            continue
+    return Path(os.path.relpath(path))
 
 
-# ---------------------------------------------------------------------------- the launch
+# ---------------------------------------------------------------------------- starting
 
 def _check_arguments(script: str | os.PathLike, nproc: int, timeout: float | None,
                      max_restarts: int, options: dict) -> Path:
+    if os.name != "posix":
+        raise OSError("helpers.launch runs on Linux and macOS only (it needs POSIX process groups and "
+                      "signals); on Windows, run the lessons inside WSL2")
     if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
         raise ValueError(f"nproc must be a whole number >= 1 (processes per node), got {nproc!r}")
     if timeout is not None and timeout <= 0:
@@ -204,7 +135,7 @@ def _new_run_dir(script: Path, log_dir: str | os.PathLike | None) -> Path:
         base = Path(os.environ.get("HELPERS_RUNS_DIR", "runs"))
         folder = base / f"{time.strftime('%Y%m%d-%H%M%S')}-{script.stem}-{uuid.uuid4().hex[:4]}"
     folder.mkdir(parents=True, exist_ok=True)
-    return folder
+    return folder.resolve()
 
 
 def _torchrun_argv(options: dict) -> list[str]:
@@ -218,209 +149,219 @@ def _torchrun_argv(options: dict) -> list[str]:
     return [f"--{name.replace('_', '-')}={value}" for name, value in options.items()]
 
 
-def build_spec(script: Path, nproc: int, args: tuple, max_restarts: int, options: dict,
-               run_dir: Path, fresh: bool, stop_grace: int = 2) -> dict:
-    """Everything an agent needs, as plain JSON (it may travel to a fresh interpreter)."""
-    env = _child_env()
-    env["HELPERS_RUN_DIR"] = str(run_dir.resolve())
-    env["HELPERS_NODE"] = str(int(options.get("node_rank", 0)))
-    if nproc > 1:
+def worker_env(run_dir: Path, node: int, nproc: int, debug: bool = False) -> dict[str, str]:
+    """The workers' environment: the kernel's, plus the run folder, threads per worker, debug switches."""
+    env = child_env()
+    env["HELPERS_RUN_DIR"], env["HELPERS_NODE"] = str(run_dir), str(node)
+    if "OMP_NUM_THREADS" not in os.environ and os.environ.get("LESSONS_CPUS", "").strip():
+        # a workshop budget: this learner's CPUs, shared by the workers of this node
+        env["OMP_NUM_THREADS"] = str(max(1, int(os.environ["LESSONS_CPUS"]) // nproc))
+    elif nproc > 1:
         env.setdefault("OMP_NUM_THREADS", "1")  # what torchrun does: no oversubscription
-    node_rank = int(options.get("node_rank", 0))
+    if debug:
+        env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+    return env
+
+
+def build_spec(script: Path, nproc: int, args: tuple, max_restarts: int, options: dict,
+               run_dir: Path, fresh: bool, stop_grace: int = 2, debug: bool = False) -> dict:
+    """Everything an agent needs, as plain JSON (it may travel to a fresh interpreter)."""
+    node = int(options.get("node_rank", 0))
     return {"script": str(script), "args": [str(a) for a in args], "nproc": nproc,
             "max_restarts": max_restarts, "torchrun_argv": _torchrun_argv(options),
-            "run_dir": str(run_dir.resolve()), "node_rank": node_rank,
-            "elastic_log_dir": str((run_dir / f"elastic_node{node_rank}").resolve()),
+            "run_dir": str(run_dir), "node_rank": node,
+            "elastic_log_dir": _run_folder.node_file(run_dir, "elastic", node),
             "fresh": fresh, "stop_grace": stop_grace, "monitor_interval": 0.05,
-            "env": env, "cwd": os.getcwd()}
+            "env": worker_env(run_dir, node, nproc, debug), "cwd": os.getcwd()}
 
 
 def launch(script: str | os.PathLike, nproc: int = 2, args: tuple | list = (),
            timeout: float | None = None, max_restarts: int = 0, *, fresh: bool | None = None,
-           log_dir: str | os.PathLike | None = None, echo: bool | int = 400,
+           log_dir: str | os.PathLike | None = None, echo: bool | int = 400, debug: bool = False,
            **torchrun_options: Any) -> Run:
     """Run `script` on `nproc` worker processes under torchrun's elastic agent; wait; return a Run.
 
     args: command-line arguments for the script. timeout: seconds before everything is stopped
-    (LaunchTimeout). max_restarts: torchrun's restarts of the whole group after a failure.
-    fresh: start workers as fresh interpreters (default: fork from the preloaded server on Linux).
-    echo: print each rank's lines live (True), not at all (False), or at most this many lines.
-    torchrun_options: nnodes, node_rank, rdzv_endpoint, ... (see TORCHRUN_OPTIONS).
+    (LaunchTimeout, which says where each rank was stuck). max_restarts: torchrun's restarts of the
+    whole group after a failure. fresh: start workers as fresh interpreters (default: fork from the
+    preloaded server on Linux). echo: print each rank's lines live (True), not at all (False), or at
+    most this many lines. torchrun_options: nnodes, node_rank, rdzv_endpoint, ... (TORCHRUN_OPTIONS).
+
+    debug=True sets TORCH_DISTRIBUTED_DEBUG=DETAIL in the workers. On gloo (torch 2.14) that wraps
+    every process group in a checker (ProcessGroupWrapper, distributed_c10d.py) that compares each
+    collective's op, shapes and dtypes across ranks before running it, so mismatched collectives
+    fail at once with "Detected mismatch between collectives on ranks" instead of hanging or
+    failing with a lost connection; DDP also names unused parameters. It costs an extra gloo
+    exchange per collective. The Flight Recorder is not switched on: on gloo it records collectives
+    (TORCH_FR_BUFFER_SIZE) but writes no dump on a timeout and never marks an entry completed.
     Raises WorkerFailed (a RuntimeError) naming the failing rank with its traceback.
     """
     __tracebackhide__ = True  # IPython shows the learner's cell and the error, not the launcher's frames
     _check_arguments(script, nproc, timeout, max_restarts, torchrun_options)
-    job = start(script, nproc, args, max_restarts, fresh=fresh, log_dir=log_dir, echo=echo,
+    job = start(script, nproc, args, max_restarts, fresh=fresh, log_dir=log_dir, echo=echo, debug=debug,
                 **torchrun_options)
     return wait([job], timeout=timeout)[0]
 
 
 def start(script: str | os.PathLike, nproc: int = 2, args: tuple | list = (), max_restarts: int = 0,
           *, fresh: bool | None = None, log_dir: str | os.PathLike | None = None,
-          echo: bool | int = 400, **torchrun_options: Any) -> Job:
+          echo: bool | int = 400, debug: bool = False, **torchrun_options: Any) -> Job:
     """Start a launch without waiting (e.g. two "nodes" at once); finish it with wait([...])."""
     path = _check_arguments(script, nproc, None, max_restarts, torchrun_options)
     fresh = (not _FORK_SAFE) if fresh is None else fresh
     run_dir = _new_run_dir(path, log_dir)
-    spec = build_spec(path, nproc, tuple(args), max_restarts, torchrun_options, run_dir, fresh)
+    spec = build_spec(path, nproc, tuple(args), max_restarts, torchrun_options, run_dir, fresh, debug=debug)
     return Job(spec, echo)
 
 
+# ---------------------------------------------------------------------------- a job in flight
+
 class Job:
-    """A launch in flight: its agent, and the live view that tails the run folder."""
+    """A launch in flight: its agent, and what its workers have written to the run folder so far."""
 
     def __init__(self, spec: dict, echo: bool | int) -> None:
         self.spec = spec
         self.run_dir = Path(spec["run_dir"])
-        self.node_rank = spec["node_rank"]
         self.started, self.started_wall = time.perf_counter(), time.time()
-        self.agent = _Agent(spec)
-        self.view = LiveView(self.run_dir, spec["node_rank"], spec["nproc"], echo)
+        self.folder = _run_folder.NodeFolder(self.run_dir, spec["node_rank"], spec["nproc"])
+        self.echo = Echo(echo, str(short_path(self.run_dir)))
+        self.agent = Agent(spec)
 
     def tick(self) -> bool:
-        """Read new output; return True when the agent has finished."""
+        """Read and show new output; return True when the agent has finished."""
         done = self.agent.poll() is not None
-        self.view.collect()
+        self.echo.show(self.folder.collect())
         return done
+
+    def stacks(self) -> dict[int, str]:
+        """Where each live rank is right now, one line per rank (full stacks: run folder, stacks/)."""
+        self.tick()
+        return _ask_for_stacks([self])[0]
 
     def stop(self, grace: float = 2.0) -> None:
         """SIGTERM the agent's group, SIGKILL whatever is left after `grace` seconds."""
-        if self.agent.poll() is not None and not self.view.live_worker_pids():
+        if self.agent.poll() is not None and not self.folder.live_worker_pids():
             return
         self.agent.signal_group(signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and self.agent.poll() is None:
-            time.sleep(0.02)
+        _wait_until(lambda: self.agent.poll() is not None, grace)
         self.agent.signal_group(signal.SIGKILL)
-        for pid in self.view.live_worker_pids():
+        for pid in self.folder.live_worker_pids().values():
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and (self.agent.poll() is None or self.view.live_worker_pids()):
-            time.sleep(0.02)
+        _wait_until(lambda: self.agent.poll() is not None and not self.folder.live_worker_pids(), 5)
 
     def to_run(self) -> Run:
-        view = self.view
-        view.collect(final=True)
+        folder = self.folder
         return Run(script=self.spec["script"], nproc=self.spec["nproc"], log_dir=short_path(self.run_dir),
-                   logs=view.logs_text(), metrics=view.metrics, results=dict(view.results),
+                   logs=folder.logs_text(), metrics=folder.metrics, results=dict(folder.results),
                    wall_time=time.perf_counter() - self.started,
-                   timings={"server_start": self.agent.server_start, **view.timings(self.started_wall)},
-                   attempts=view.attempts())
+                   timings={"server_start": self.agent.server_start, **folder.timings(self.started_wall)},
+                   attempts=folder.attempts())
+
+    def record(self, run: Run) -> _diagnosis.NodeRecord:
+        folder = self.folder
+        return _diagnosis.NodeRecord(self.agent.code, folder.agent_outcome(), folder.failure_records(),
+                                     set(folder.last_attempt()), run.logs, str(run.log_dir), folder.node)
+
+
+def _wait_until(condition, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def _ask_for_stacks(jobs: list[Job]) -> tuple[dict[int, str], dict[int, str]]:
+    """Make every live worker dump its Python stacks (faulthandler, see _bootstrap); (where, stacks)."""
+    asked = {}
+    for job in jobs:
+        live = job.folder.live_worker_pids()
+        sizes = {rank: size for rank, size in job.folder.stack_sizes().items() if rank in live}
+        for rank in sizes:
+            try:
+                os.kill(live[rank], _run_folder.STACK_SIGNAL)
+            except ProcessLookupError:
+                pass
+        asked[job] = sizes
+    stacks: dict[int, str] = {}
+    previous: dict[int, str] = {}
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:  # a dump is written at once; wait until every file stops growing
+        time.sleep(0.05)
+        stacks = {rank: text for job, sizes in asked.items() for rank, text in job.folder.stacks_since(sizes).items()}
+        if stacks == previous and all(stacks.values()):
+            break
+        previous = stacks
+    where = {}
+    for job in jobs:
+        steps = {row["rank"]: row["step"] for row in job.folder.metrics if row.get("step") is not None}
+        for rank in asked[job]:
+            where[rank] = _diagnosis.where(stacks.get(rank, ""), job.spec["script"], _LIBRARY_DIRS, steps.get(rank))
+    return where, stacks
+
+
+# ---------------------------------------------------------------------------- waiting
+
+class _Pause:
+    """How long the wait loop sleeps: 20 ms while output flows, backing off to 200 ms when quiet."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.02
+
+    def after(self, active: bool) -> float:
+        self.seconds = 0.02 if active else min(0.2, self.seconds * 1.5)
+        return self.seconds
 
 
 def wait(jobs: list[Job], timeout: float | None = None) -> list[Run]:
-    """Follow jobs until all finish; stop all of them on failure, timeout or interrupt."""
+    """Follow jobs until all finish; stop all of them on failure, timeout, interrupt or any error."""
     __tracebackhide__ = True
     deadline = None if timeout is None else time.monotonic() + timeout
-    LiveView.reset_progress()
+    progress, pause = Progress(), _Pause()
     try:
         while True:
+            shown = sum(job.echo.shown for job in jobs) + sum(len(job.folder.metrics) for job in jobs)
             finished = [job.tick() for job in jobs]
-            LiveView.refresh_progress([job.view for job in jobs])
+            progress.draw(_bars(jobs))
             if any(job.agent.code not in (None, 0) for job in jobs) or all(finished):
                 break
             if deadline is not None and time.monotonic() > deadline:
-                for job in jobs:
-                    job.stop()
-                raise _timeout_error(jobs, timeout)
-            time.sleep(0.02)
+                raise _hang_error(jobs, f"timed out after {timeout:g} s: every worker was stopped "
+                                  "(SIGTERM, then SIGKILL)", LaunchTimeout)
+            active = shown != sum(job.echo.shown for job in jobs) + sum(len(job.folder.metrics) for job in jobs)
+            time.sleep(pause.after(active))
     except KeyboardInterrupt:
-        for job in jobs:
-            job.stop(grace=1.0)
-        print(f"Interrupted: stopped every worker. Logs: {short_path(jobs[0].run_dir)}", file=sys.stderr)
-        raise
-    for job in jobs:
-        job.stop()  # the rest of a failed multi-node job, and any straggler process
-        job.tick()
-    LiveView.refresh_progress([job.view for job in jobs], final=True)
+        raise _hang_error(jobs, "Interrupted: stopped every worker (KeyboardInterrupt)", LaunchInterrupted) from None
+    finally:
+        for job in jobs:  # on any exit: the rest of a failed multi-node job, stragglers, open log files
+            job.stop()
+            job.folder.collect(final=True)
+    progress.draw(_bars(jobs), final=True)
     runs = [job.to_run() for job in jobs]
-    for job, run in zip(jobs, runs, strict=True):
-        if job.agent.code != 0:
-            raise _failure_error(job, run)
+    if any(job.agent.code != 0 for job in jobs):
+        found = _diagnosis.diagnose_failure([job.record(run) for job, run in zip(jobs, runs, strict=True)],
+                                            (str(Path.cwd()), str(REPO_ROOT)))
+        run = next(run for job, run in zip(jobs, runs, strict=True) if job.folder.node == found.node)
+        raise WorkerFailed(found.message, rank=found.rank, exitcode=found.exitcode, run=run)
     return runs
 
 
-def _timeout_error(jobs: list[Job], timeout: float) -> LaunchTimeout:
-    job = jobs[0]
-    run = job.to_run()
-    tails = "\n".join(f"  [rank {rank}] {text.splitlines()[-1] if text.strip() else '(no output)'}"
-                      for rank, text in sorted(run.logs.items()))
-    return LaunchTimeout(f"timed out after {timeout:g} s: every worker was stopped (SIGTERM, then "
-                         f"SIGKILL). Last line of each rank:\n{tails}\nLogs: {run.log_dir}/", run=run)
+def _bars(jobs: list[Job]) -> dict[int, tuple[int, int]]:
+    return {rank: done_total for job in jobs for rank, done_total in job.folder.progress.items()}
 
 
-def _failure_error(job: Job, run: Run) -> WorkerFailed:
-    result_path = job.run_dir / f"agent_result_node{job.node_rank}.json"
-    outcome = json.loads(result_path.read_text()) if result_path.exists() else {}
-    if "agent_error" in outcome:
-        return WorkerFailed(f"the torchrun agent itself failed:\n{_clean_traceback(outcome['agent_error'])}"
-                            f"\nLogs: {run.log_dir}/", run=run)
-    failures = {int(rank): info for rank, info in outcome.get("failures", {}).items()}
-    tracebacks = job.view.failure_records()
-    if not failures and not tracebacks:
-        return WorkerFailed(f"the torchrun agent exited with code {job.agent.code} and reported no "
-                            f"failed rank; see {run.log_dir}/agent_node{job.node_rank}.log", run=run)
-    rank = _root_cause(failures, tracebacks, job.view.ranks_of_last_attempt())
-    if rank in failures:
-        info = failures[rank]
-        code = info["exitcode"]
-        how = f"exit code {code}" + (f" ({info['signal']})" if info.get("signal") else "")
-    elif rank in tracebacks:
-        code, how = 1, "exit code 1"  # an uncaught Python exception exits with 1
-    else:
-        code, how = None, "no Python error (killed by a signal, or it left while its peers still waited)"
-    record = tracebacks.get(rank)
-    body = _clean_traceback(record["traceback"]) if record else _last_lines(run.logs.get(rank, ""))
-    title = "traceback" if record else "last lines of output"
-    return WorkerFailed(f"rank {rank} failed first, with {how}; every other rank was stopped.\n"
-                        f"--- {title} from rank {rank} ---\n{body.rstrip()}\n"
-                        f"--- logs of every rank: {run.log_dir}/ ---", rank=rank, exitcode=code, run=run)
-
-
-# What a rank says when a *peer* died: a symptom, never the root cause. A timeout is not in the list:
-# a rank that hangs never errors, so the rank whose collective timed out is the one to report.
-_PEER_SYMPTOMS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused")
-
-
-def _root_cause(failures: dict[int, dict], tracebacks: dict[int, dict], ranks: set[int]) -> int:
-    """The rank that failed first, from the best evidence available, in this order:
-
-    1. the earliest exception that is not a peer-connection symptom (the bootstrap records exact times;
-       elastic's own summary lists only the ranks it saw at one poll, with whole-second timestamps);
-    2. a rank killed by a signal we did not send (SIGKILL by the OOM killer, SIGSEGV, ...): it leaves
-       no traceback, and the ranks it broke only report lost connections;
-    3. when every traceback is such a symptom, a rank that left without one (killed, or exited early);
-    4. the earliest exception of any kind; 5. elastic's order, SIGTERMed ranks last.
-    """
-    genuine = [r for r in tracebacks if not any(s in tracebacks[r]["traceback"] for s in _PEER_SYMPTOMS)]
-    if genuine:
-        return min(genuine, key=lambda r: tracebacks[r]["time"])
-    signalled = [r for r in failures if r not in tracebacks and failures[r]["exitcode"] < 0
-                 and failures[r]["exitcode"] != -signal.SIGTERM]
-    if signalled:
-        return min(signalled, key=lambda r: (failures[r]["timestamp"], r))
-    silent = sorted(ranks - set(tracebacks) - {r for r in failures if failures[r]["exitcode"] == -signal.SIGTERM})
-    if tracebacks and silent:
-        return silent[0]
-    if tracebacks:
-        return min(tracebacks, key=lambda r: tracebacks[r]["time"])
-    return min(failures, key=lambda r: (failures[r]["exitcode"] == -signal.SIGTERM, failures[r]["timestamp"], r))
-
-
-_SKIP_FRAME = re.compile(r'  File "[^"]*(runpy\.py|<frozen runpy>|helpers/_bootstrap\.py)".*\n(    .*\n)*')
-
-
-def _clean_traceback(text: str) -> str:
-    """Drop the launcher's own frames and shorten paths so the learner sees their code."""
-    text = _SKIP_FRAME.sub("", text)
-    for base in (Path.cwd(), REPO_ROOT):
-        text = text.replace(str(base) + os.sep, "")
-    return re.sub(r'"/[^"]*/site-packages/', '".../site-packages/', text)
-
-
-def _last_lines(text: str, count: int = 15) -> str:
-    lines = text.rstrip().splitlines()
-    return "\n".join(lines[-count:]) if lines else "(no output)"
+def _hang_error(jobs: list[Job], headline: str, kind: type) -> BaseException:
+    """Ask every live rank where it is, then stop everything; the error says where each rank was."""
+    where, stacks = _ask_for_stacks(jobs)
+    for job in jobs:
+        job.stop(grace=1.0 if kind is LaunchInterrupted else 2.0)
+        job.folder.collect(final=True)
+    runs = [job.to_run() for job in jobs]
+    logs = {rank: text for run in runs for rank, text in run.logs.items()}
+    message = _diagnosis.hang_message(headline, where, logs, str(runs[0].log_dir))
+    if kind is LaunchInterrupted:
+        return LaunchInterrupted(message, where, stacks, runs[0])
+    error = LaunchTimeout(message, run=runs[0])
+    error.where, error.stacks = where, stacks
+    return error

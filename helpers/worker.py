@@ -7,7 +7,7 @@
 
 Under `helpers.launch` these append JSON lines to files in the run folder. Under a plain terminal
 `torchrun` (no HELPERS_RUN_DIR in the environment) every call returns at once and costs nothing.
-This module imports neither torch nor anything else heavy.
+This module imports neither torch nor the launcher: only the standard library and helpers._run_folder.
 """
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ import json
 import os
 import time
 from typing import Any
+
+from helpers import _run_folder
 
 _RUN_DIR = os.environ.get("HELPERS_RUN_DIR")
 _stream = None
@@ -39,12 +41,11 @@ def _emit(kind: str, fields: dict[str, Any]) -> None:
     global _stream
     if _RUN_DIR is None:
         return
-    if _stream is None:
-        folder = os.path.join(_RUN_DIR, "events")
-        os.makedirs(folder, exist_ok=True)
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        _stream = open(os.path.join(folder, f"rank{_rank()}-attempt{attempt}.jsonl"), "a", buffering=1)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if _stream is None:
+        path = _run_folder.rank_file(_RUN_DIR, "events", _rank(), attempt)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        _stream = open(path, "a", buffering=1)
     record = {"kind": kind, "rank": _rank(), "attempt": attempt, "time": time.time(), **_plain(fields)}
     _stream.write(json.dumps(record) + "\n")
 

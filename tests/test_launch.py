@@ -14,8 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import LaunchTimeout, WorkerFailed, launch
-from helpers.launch import _LaunchServer
+from helpers import LaunchInterrupted, LaunchTimeout, WorkerFailed, launch, start, wait
+from helpers._handles import LaunchServer
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -43,7 +43,7 @@ def assert_nothing_left(log_dir: Path) -> None:
     pids = worker_pids(log_dir)
     assert pids, "the run registered no workers"
     assert not [pid for pid in pids if alive(pid)], "workers outlived the launch"
-    server = _LaunchServer.instance
+    server = LaunchServer.instance
     if server is not None and server.proc.poll() is None:
         left = [p for p in psutil.Process(server.proc.pid).children(recursive=True) if p.status() != "zombie"]
         assert not left, f"processes left under the launch server: {left}"
@@ -179,17 +179,18 @@ def test_fresh_interpreters_give_the_same_results():
 LAUNCHING_PROCESS = textwrap.dedent("""
     import sys
     from helpers import launch
-    launch(sys.argv[1], nproc=2, echo=False, log_dir="the_run")
+    launch(sys.argv[1], nproc=2, echo=False, log_dir="the_run", fresh=sys.argv[2] == "fresh")
 """)
 
 
-def _start_launching_process(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+def _start_launching_process(tmp_path: Path, worker: str = "sleeper.py", ready: str = "sleeping",
+                             fresh: bool = False) -> tuple[subprocess.Popen, Path]:
     """A separate Python process (standing in for a kernel) running a long launch."""
-    proc = subprocess.Popen([sys.executable, "-c", LAUNCHING_PROCESS, str(WORKERS / "sleeper.py")],
-                            cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", LAUNCHING_PROCESS, str(WORKERS / worker),
+                             "fresh" if fresh else "fork"], cwd=tmp_path, stderr=subprocess.PIPE, text=True)
     run_dir = tmp_path / "the_run"
     deadline = time.monotonic() + 60
-    while len(worker_pids(run_dir)) < 2 or "sleeping" not in _read(run_dir / "rank1.log"):
+    while len(worker_pids(run_dir)) < 2 or any(ready not in _read(run_dir / f"rank{r}.log") for r in (0, 1)):
         assert time.monotonic() < deadline, "workers did not start"
         time.sleep(0.1)
     return proc, run_dir
@@ -271,3 +272,54 @@ def test_forked_workers_can_still_initialise_cuda():
     """Nothing above a forked worker (server, agent) may count CUDA devices: that poisons forks."""
     run = launch(WORKERS / "cuda_fork_state.py", nproc=2, echo=False)
     assert run.results == {rank: {"bad_fork": False, "initialized": False} for rank in (0, 1)}
+
+
+# ---------------------------------------------------------------------------- hangs
+
+HANG = WORKERS / "hang_in_collective.py"
+RANK0_WHERE = "waiting in dist.all_reduce at hang_in_collective.py:15 (step 2)"
+RANK1_WHERE = "in time.sleep at hang_in_collective.py:17 (step 2)"
+
+
+def test_timeout_says_where_every_rank_hangs():
+    LaunchServer.get()  # its one-time start is not part of the timeout
+    started = time.perf_counter()
+    with pytest.raises(LaunchTimeout) as caught:
+        launch(HANG, nproc=2, timeout=10, echo=False)
+    elapsed = time.perf_counter() - started
+    error = caught.value
+    assert error.where == {0: RANK0_WHERE, 1: RANK1_WHERE}
+    message = str(error)
+    assert f"rank 0: {RANK0_WHERE}" in message and f"rank 1: {RANK1_WHERE}" in message
+    # the full stacks: the collective's own frame for rank 0, the learner's line for both
+    assert "distributed_c10d.py" in error.stacks[0] and 'hang_in_collective.py", line 15' in error.stacks[0]
+    assert 'hang_in_collective.py", line 17' in error.stacks[1]
+    assert (error.run.log_dir / "stacks" / "rank0-attempt0.txt").read_text().strip()
+    assert elapsed < 10 + 6, f"the diagnosis took {elapsed - 10:.1f} s past the timeout"
+    assert_nothing_left(error.run.log_dir)
+
+
+def test_a_running_job_says_where_its_ranks_are():
+    job = start(HANG, nproc=2, echo=False)
+    deadline = time.monotonic() + 60
+    while not all("hanging" in job.folder.lines.get(rank, []) for rank in (0, 1)):
+        assert time.monotonic() < deadline, "workers did not reach the hang"
+        job.tick()
+        time.sleep(0.05)
+    assert job.stacks() == {0: RANK0_WHERE, 1: RANK1_WHERE}
+    assert job.agent.poll() is None, "asking for stacks must not stop the job"
+    with pytest.raises(LaunchTimeout):
+        wait([job], timeout=0.1)
+    assert_nothing_left(job.run_dir)
+
+
+@pytest.mark.parametrize("fresh", [False, True], ids=["forked", "fresh"])
+def test_interrupt_during_a_hang_says_where_every_rank_was(tmp_path, fresh):
+    proc, run_dir = _start_launching_process(tmp_path, "hang_in_collective.py", "hanging", fresh=fresh)
+    pids = worker_pids(run_dir)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=15)
+    assert "LaunchInterrupted" in stderr and "Interrupted: stopped every worker" in stderr
+    assert f"rank 0: {RANK0_WHERE}" in stderr and f"rank 1: {RANK1_WHERE}" in stderr
+    assert not [pid for pid in pids if alive(pid)]
+    assert issubclass(LaunchInterrupted, KeyboardInterrupt)

@@ -1,0 +1,177 @@
+"""What went wrong in a launch, from the records of its run folders: pure functions, no processes.
+
+Two questions, both answered from plain data so that every rule has a unit test (tests/test_diagnosis.py):
+- a job failed: which rank failed *first* (the root cause, not the peers it broke), and what to show;
+- a job hangs: where is each rank stuck, from the Python stacks faulthandler dumped.
+"""
+from __future__ import annotations
+
+import linecache
+import os
+import re
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+# What a rank says when a *peer* died: a symptom, never the root cause. A timeout is not in the list:
+# a rank that hangs never errors, so the rank whose collective timed out is the one to report.
+PEER_SYMPTOMS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused")
+_SIGTERM = -int(signal.SIGTERM)
+
+
+@dataclass
+class NodeRecord:
+    """What one node's run folder says after the job stopped."""
+
+    agent_code: int | None
+    outcome: dict  # the agent's result file: {"ok": ...} / {"failures": {rank: {...}}} / {"agent_error": ...}
+    tracebacks: dict[int, dict]  # rank -> {"time": ..., "traceback": ...} (the bootstrap's failure records)
+    ranks: set[int]  # the ranks of the last attempt
+    logs: dict[int, str] = field(default_factory=dict)
+    log_dir: str = "."
+    node: int = 0
+
+
+@dataclass
+class Diagnosis:
+    message: str
+    rank: int | None = None
+    exitcode: int | None = None
+    node: int = 0
+
+
+def root_cause(failures: dict[int, dict], tracebacks: dict[int, dict], ranks: set[int]) -> int:
+    """The rank that failed first, from the best evidence available, in this order:
+
+    1. the earliest exception that is not a peer-connection symptom (the bootstrap records exact times;
+       elastic's own summary lists only the ranks it saw at one poll, with whole-second timestamps);
+    2. a rank killed by a signal we did not send (SIGKILL by the OOM killer, SIGSEGV, ...): it leaves
+       no traceback, and the ranks it broke only report lost connections;
+    3. when every traceback is such a symptom, a rank that left without one (killed, or exited early);
+    4. the earliest exception of any kind; 5. elastic's order, SIGTERMed ranks last.
+    """
+    genuine = [r for r in tracebacks if not any(s in tracebacks[r]["traceback"] for s in PEER_SYMPTOMS)]
+    if genuine:
+        return min(genuine, key=lambda r: tracebacks[r]["time"])
+    signalled = [r for r in failures if r not in tracebacks and failures[r]["exitcode"] < 0
+                 and failures[r]["exitcode"] != _SIGTERM]
+    if signalled:
+        return min(signalled, key=lambda r: (failures[r]["timestamp"], r))
+    silent = sorted(ranks - set(tracebacks) - {r for r in failures if failures[r]["exitcode"] == _SIGTERM})
+    if tracebacks and silent:
+        return silent[0]
+    if tracebacks:
+        return min(tracebacks, key=lambda r: tracebacks[r]["time"])
+    return min(failures, key=lambda r: (failures[r]["exitcode"] == _SIGTERM, failures[r]["timestamp"], r))
+
+
+_SKIP_FRAME = re.compile(r'  File "[^"]*(runpy\.py|<frozen runpy>|helpers/_bootstrap\.py)".*\n(    .*\n)*')
+
+
+def clean_traceback(text: str, bases: tuple[str, ...] = ()) -> str:
+    """Drop the launcher's own frames and shorten paths so the learner sees their code."""
+    text = _SKIP_FRAME.sub("", text)
+    for base in bases:
+        text = text.replace(base.rstrip(os.sep) + os.sep, "")
+    return re.sub(r'"/[^"]*/site-packages/', '".../site-packages/', text)
+
+
+def last_lines(text: str, count: int = 15) -> str:
+    lines = text.rstrip().splitlines()
+    return "\n".join(lines[-count:]) if lines else "(no output)"
+
+
+def diagnose_failure(nodes: list[NodeRecord], bases: tuple[str, ...] = ()) -> Diagnosis:
+    """The first failure across every node of a job (ranks are global, so their records merge)."""
+    for node in nodes:
+        if "agent_error" in node.outcome:
+            return Diagnosis(f"the torchrun agent of node {node.node} itself failed:\n"
+                             f"{clean_traceback(node.outcome['agent_error'], bases)}\nLogs: {node.log_dir}/",
+                             node=node.node)
+    failures = {int(r): info for node in nodes for r, info in node.outcome.get("failures", {}).items()}
+    tracebacks = {r: record for node in nodes for r, record in node.tracebacks.items()}
+    if not failures and not tracebacks:
+        node = next((n for n in nodes if n.agent_code not in (None, 0)), nodes[0])
+        return Diagnosis(f"the torchrun agent exited with code {node.agent_code} and reported no failed "
+                         f"rank; see {node.log_dir}/agent_node{node.node}.log", node=node.node)
+    rank = root_cause(failures, tracebacks, set().union(*(node.ranks for node in nodes)))
+    home = next((n for n in nodes if rank in n.ranks or rank in n.tracebacks
+                 or str(rank) in n.outcome.get("failures", {})), nodes[0])
+    if rank in failures:
+        info = failures[rank]
+        code = info["exitcode"]
+        how = f"exit code {code}" + (f" ({info['signal']})" if info.get("signal") else "")
+    elif rank in tracebacks:
+        code, how = 1, "exit code 1"  # an uncaught Python exception exits with 1
+    else:
+        code, how = None, "no Python error (killed by a signal, or it left while its peers still waited)"
+    record = tracebacks.get(rank)
+    body = clean_traceback(record["traceback"], bases) if record else last_lines(home.logs.get(rank, ""))
+    title = "traceback" if record else "last lines of output"
+    return Diagnosis(f"rank {rank} failed first, with {how}; every other rank was stopped.\n"
+                     f"--- {title} from rank {rank} ---\n{body.rstrip()}\n"
+                     f"--- logs of every rank: {home.log_dir}/ ---", rank=rank, exitcode=code, node=home.node)
+
+
+# ---------------------------------------------------------------------------- hangs
+
+_THREAD = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):", re.M)
+_FRAME = re.compile(r'^  File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)', re.M)
+# Frames that only forward a call: the collective is the frame they lead to.
+_FORWARDERS = {"wrapper", "inner", "_fn", "__call__", "_call_impl", "_wrapped_call_impl", "decorate_context"}
+_CALLEE = re.compile(r"([A-Za-z_][\w.]*)\s*\(")
+
+Frame = tuple[str, int, str]  # file, line, function
+
+
+def parse_stacks(dump: str) -> list[list[Frame]]:
+    """faulthandler's dump -> one list of frames per thread, innermost first."""
+    starts = [m.start() for m in _THREAD.finditer(dump)] or [0]
+    return [[(m["file"], int(m["line"]), m["func"]) for m in _FRAME.finditer(dump[a:b])]
+            for a, b in zip(starts, [*starts[1:], len(dump)], strict=True)]
+
+
+def _is_library(path: str, library_dirs: tuple[str, ...]) -> bool:
+    name = path.replace("\\", "/")
+    return (name.startswith("<") or any(name.startswith(d) for d in library_dirs)
+            or "/site-packages/" in name or re.search(r"/helpers/_[a-z_]+\.py$", name) is not None)
+
+
+def where(dump: str, script: str, library_dirs: tuple[str, ...] = (), step: int | None = None,
+          read_line: Callable[[str, int], str] = linecache.getline) -> str:
+    """One line saying where a rank is: the call it is stuck in, at the learner's innermost line.
+
+    `dump` is one faulthandler dump of the rank; the thread that runs `script` is the main one. A call
+    into C (time.sleep) has no Python frame of its own: its name comes from the learner's source line,
+    read with `read_line(file, line)`. `step` is the last step the rank reported, if any.
+    """
+    threads = [t for t in parse_stacks(dump) if t]
+    if not threads:
+        return "no Python stack (the process did not answer)"
+    main = next((t for t in threads if any(f == script for f, _, _ in t)), threads[-1])
+    mine = next((i for i, (f, _, _) in enumerate(main) if not _is_library(f, library_dirs)), None)
+    if mine is None:
+        file, line, func = main[0]
+        return f"in {func} at {os.path.basename(file)}:{line}"
+    file, line, _ = main[mine]
+    called = [frame for frame in main[:mine] if frame[2] not in _FORWARDERS]
+    if called:
+        outer_file, _, func = called[-1]
+        waiting = [fn for f, _, fn in called if f.endswith("distributed_c10d.py")]
+        what = f"waiting in dist.{waiting[-1]}" if waiting else \
+            f"in {os.path.splitext(os.path.basename(outer_file))[0]}.{func}"
+    else:
+        callee = _CALLEE.search(read_line(file, line) or "")
+        what = f"in {callee[1]}" if callee else "running"
+    suffix = f" (step {step})" if step is not None else ""
+    return f"{what} at {os.path.basename(file)}:{line}{suffix}"
+
+
+def hang_message(headline: str, where_by_rank: dict[int, str], logs: dict[int, str], log_dir: str) -> str:
+    """The error of a hang: where each rank was (live ranks), then the last line each rank printed."""
+    places = "\n".join(f"  rank {rank}: {text}" for rank, text in sorted(where_by_rank.items()))
+    tails = "\n".join(f"  [rank {rank}] {text.splitlines()[-1] if text.strip() else '(no output)'}"
+                      for rank, text in sorted(logs.items()))
+    return (f"{headline}.\nWhere each rank was:\n{places or '  (no rank was running)'}\n"
+            f"Last line of each rank:\n{tails or '  (no output)'}\n"
+            f"Full stacks: {log_dir}/stacks/  Logs: {log_dir}/")

@@ -1,0 +1,243 @@
+"""The run folder: every file a launch writes, who writes it, and how it is read back.
+
+Standard library only: the worker side (``_bootstrap``, ``worker``, ``_agent``) and the notebook side
+import it alike. One folder per launch; every per-rank file is keyed (global rank, attempt), where
+attempt is torchrun's restart count::
+
+    rank{R}.log                           every line of rank R, all attempts (written by the launcher)
+    elastic_node{N}/<run id>/attempt_{A}/{local rank}/std{out,err}.log    torchrun's own worker logs
+    workers/rank{R}-attempt{A}.json       the bootstrap's registration: pid, node, local rank, start time
+    failures/rank{R}-attempt{A}.json      an uncaught exception: exact time and traceback
+    events/rank{R}-attempt{A}.jsonl       helpers.worker's metrics, progress and results
+    stacks/rank{R}-attempt{A}.txt         Python stacks, dumped by faulthandler on STACK_SIGNAL
+    spec_node{N}.json, agent_node{N}.log, agent_result_node{N}.json       the torchrun agent of node N
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+# The agent's exit codes (helpers/_agent.py); a negative code is the signal that killed it.
+AGENT_OK, AGENT_WORKERS_FAILED, AGENT_ERROR, AGENT_DIED = 0, 1, 2, 3
+# The signal that makes a worker write its Python stacks (faulthandler, installed by the bootstrap).
+STACK_SIGNAL = getattr(signal, "SIGUSR1", None)
+
+_EXTENSIONS = {"workers": "json", "failures": "json", "events": "jsonl", "stacks": "txt"}
+_TORCHRUN_LOG = re.compile(r"attempt_(\d+)[/\\](\d+)[/\\](stdout|stderr)\.log$")
+
+
+def rank_file(run_dir: str | os.PathLike, kind: str, rank: int, attempt: int) -> str:
+    """The per-rank file of one kind: workers, failures, events or stacks."""
+    return os.path.join(run_dir, kind, f"rank{rank}-attempt{attempt}.{_EXTENSIONS[kind]}")
+
+
+def rank_log(run_dir: str | os.PathLike, rank: int) -> str:
+    return os.path.join(run_dir, f"rank{rank}.log")
+
+
+def node_file(run_dir: str | os.PathLike, kind: str, node: int) -> str:
+    """The agent's files: spec (json), agent log, agent result (json), elastic (torchrun's log folder)."""
+    name = {"spec": "spec_node{}.json", "agent_log": "agent_node{}.log",
+            "agent_result": "agent_result_node{}.json", "elastic": "elastic_node{}"}[kind]
+    return os.path.join(run_dir, name.format(node))
+
+
+def write_json(path: str, data: dict) -> None:
+    """Write atomically, so that a reader never sees half a file."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
+
+
+def read_json(path: str | os.PathLike, default: Any = None) -> Any:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return default
+
+
+def identity() -> dict:
+    """Who this worker is, from torchrun's environment."""
+    return {
+        "rank": int(os.environ.get("RANK", 0)),
+        "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
+        # the launcher's node number (GROUP_RANK may differ: c10d assigns it by arrival)
+        "node": int(os.environ.get("HELPERS_NODE", os.environ.get("GROUP_RANK", 0))),
+        "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+        "pid": os.getpid(),
+    }
+
+
+def alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie, dead but not yet reaped, counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    if sys.platform.startswith("linux"):
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+        except (FileNotFoundError, IndexError):
+            return False
+    return True
+
+
+class Tail:
+    """New complete lines appended to one file since the last read."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path, self.offset, self.partial = path, 0, b""
+
+    def read(self, final: bool = False) -> list[str]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        self.offset += len(data)
+        lines = (self.partial + data).split(b"\n")
+        self.partial = lines.pop()
+        if final and self.partial:
+            lines, self.partial = [*lines, self.partial], b""
+        return [line.decode("utf-8", "replace") for line in lines]
+
+
+class NodeFolder:
+    """What one node's workers have written so far: gathered from the run folder, nothing printed.
+
+    `collect()` returns the new complete lines as (rank, stream, line) and appends them to rank{R}.log.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, node: int, nproc: int) -> None:
+        self.run_dir, self.node, self.nproc = Path(run_dir), node, nproc
+        self.workers: dict[tuple[int, int], dict] = {}  # (rank, attempt) -> registration
+        self.lines: dict[int, list[str]] = defaultdict(list)
+        self.metrics: list[dict[str, Any]] = []
+        self.results: dict[int, dict[str, Any]] = defaultdict(dict)
+        self.progress: dict[int, tuple[int, int]] = {}
+        self._tails: dict[str, Tail] = {}
+        self._attempt_seen: dict[int, int] = {}
+        self._rank_logs: dict[int, Any] = {}
+        self.ended = time.time()
+
+    def collect(self, final: bool = False) -> list[tuple[int, str, str]]:
+        for path in (self.run_dir / "workers").glob("rank*-attempt*.json"):
+            info = read_json(path)
+            if info and info["node"] == self.node:
+                self.workers.setdefault((info["rank"], info["attempt"]), info)
+        new: list[tuple[int, str, str]] = []
+        for path in sorted(Path(node_file(self.run_dir, "elastic", self.node)).glob("*/attempt_*/*/std*.log")):
+            new += self._read_log(str(path), final)
+        for rank, attempt in list(self.workers):
+            for line in self._tail(rank_file(self.run_dir, "events", rank, attempt)).read():
+                self._take_event(json.loads(line))
+        if final:
+            self.close()
+        return new
+
+    def close(self) -> None:
+        self.ended = time.time()
+        for handle in self._rank_logs.values():
+            handle.close()
+        self._rank_logs.clear()
+
+    def _tail(self, path: str) -> Tail:
+        return self._tails.setdefault(path, Tail(path))
+
+    def _read_log(self, path: str, final: bool) -> list[tuple[int, str, str]]:
+        match = _TORCHRUN_LOG.search(path)
+        if not match:
+            return []
+        attempt, local_rank, stream = int(match[1]), int(match[2]), match[3]
+        infos = [info for (_, a), info in self.workers.items() if a == attempt and info["local_rank"] == local_rank]
+        if not infos and not final:
+            return []  # not registered yet: read it next time, when its global rank is known
+        rank = infos[0]["rank"] if infos else self.node * self.nproc + local_rank
+        new = []
+        for line in self._tail(path).read(final):
+            if self._attempt_seen.setdefault(rank, attempt) != attempt:
+                self._attempt_seen[rank] = attempt
+                new.append(self._add_line(rank, "stdout", f"----- restart: attempt {attempt} -----"))
+            new.append(self._add_line(rank, stream, line))
+        return new
+
+    def _add_line(self, rank: int, stream: str, line: str) -> tuple[int, str, str]:
+        self.lines[rank].append(line)
+        if rank not in self._rank_logs:
+            self._rank_logs[rank] = open(rank_log(self.run_dir, rank), "a", buffering=1)
+        self._rank_logs[rank].write(line + "\n")
+        return rank, stream, line
+
+    def _take_event(self, event: dict) -> None:
+        kind, rank = event.pop("kind"), event["rank"]
+        if kind == "metric":
+            self.metrics.append(event)
+        elif kind == "progress":
+            self.progress[rank] = (event["done"], event["total"])
+        elif kind == "result":
+            self.results[rank].update(event["values"])
+
+    # -- questions the launcher asks
+    def logs_text(self) -> dict[int, str]:
+        return {rank: "\n".join(lines) + "\n" for rank, lines in sorted(self.lines.items())}
+
+    def attempts(self) -> int:
+        return 1 + max((attempt for _, attempt in self.workers), default=0)
+
+    def last_attempt(self) -> dict[int, dict]:
+        """Registrations of the last attempt, by rank."""
+        last = self.attempts() - 1
+        return {rank: info for (rank, attempt), info in self.workers.items() if attempt == last}
+
+    def failure_records(self) -> dict[int, dict]:
+        """Exceptions the workers of the last attempt recorded, by rank."""
+        last = self.attempts() - 1
+        records = {rank: read_json(rank_file(self.run_dir, "failures", rank, last)) for rank in self.last_attempt()}
+        return {rank: record for rank, record in records.items() if record}
+
+    def agent_outcome(self) -> dict:
+        return read_json(node_file(self.run_dir, "agent_result", self.node), {})
+
+    def live_worker_pids(self) -> dict[int, int]:
+        """rank -> pid of every registered worker (any attempt) still running."""
+        return {rank: info["pid"] for (rank, _), info in sorted(self.workers.items()) if alive(info["pid"])}
+
+    def timings(self, started_wall: float) -> dict[str, float]:
+        starts = [info["started"] for info in self.workers.values()]
+        first = min(starts) if starts else self.ended
+        return {"until_workers_run": round(first - started_wall, 4),
+                "workers_running": round(self.ended - first, 4)}
+
+    def stack_sizes(self) -> dict[int, int]:
+        """Bytes in each live rank's stacks file now (a dump appends to it)."""
+        sizes = {}
+        for rank, info in self.last_attempt().items():
+            try:
+                sizes[rank] = os.path.getsize(rank_file(self.run_dir, "stacks", rank, info["attempt"]))
+            except FileNotFoundError:
+                sizes[rank] = 0
+        return sizes
+
+    def stacks_since(self, sizes: dict[int, int]) -> dict[int, str]:
+        """What each rank's stacks file gained after the sizes were taken."""
+        out = {}
+        for rank, offset in sizes.items():
+            path = rank_file(self.run_dir, "stacks", rank, self.last_attempt()[rank]["attempt"])
+            with open(path, "rb") as f:
+                f.seek(offset)
+                out[rank] = f.read().decode("utf-8", "replace")
+        return out
