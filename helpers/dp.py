@@ -1,18 +1,23 @@
-"""DataParallel opened up, and a DDP comm hook that counts all-reduce calls (taught in lesson 03).
+"""DataParallel opened up on CPU, and a DDP comm hook that counts all-reduce calls (taught in lesson 03).
 
     from helpers.dp import NaiveDataParallel, AllreduceCounter, counting_allreduce_hook
-    dp = NaiveDataParallel(model, num_devices=2)
-    report = dp.train_step(images, labels, loss_fn, optimizer)   # report.phase_seconds, report.per_device
+    naive = NaiveDataParallel(model, num_devices=2)
+    report = naive.train_step(images, labels, loss_fn, optimizer)   # report.phase_seconds, report.per_device
 
     counter = AllreduceCounter()
     ddp.register_comm_hook(counter, counting_allreduce_hook)   # counter.calls, counter.bucket_numels
 
-`nn.DataParallel` needs GPUs; NaiveDataParallel runs the same algorithm on CPU "devices" (one
-thread and one model copy per device), step by step, so each step can be timed and inspected.
+`nn.DataParallel` needs GPUs: on CPU it is a pass-through, and torch.nn.parallel's replicate, scatter,
+parallel_apply and gather refuse CPU tensors. NaiveDataParallel runs DataParallel's algorithm on CPU
+"devices" (one thread and one set of weights per device) with the same autograd structure as torch's
+(torch/nn/parallel/replicate.py, _functions.py): replicas are built by Module._replicate_for_data_parallel,
+their weights are non-leaf outputs of a Broadcast function, and the gradients reach the module's own
+parameters through Broadcast's backward, which sums them over the devices.
 """
-import copy
+
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -20,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+from helpers.checks import correct, not_yet
 
 PHASES = ("scatter", "replicate", "forward", "gather", "loss", "backward", "reduce", "step")
 
@@ -31,19 +38,54 @@ def scatter(batch: torch.Tensor, num_devices: int) -> list[torch.Tensor]:
     return list(torch.chunk(batch, num_devices))
 
 
-def replicate(module: nn.Module, num_devices: int) -> list[nn.Module]:
-    """Step 2: a copy of the model per device, made again every iteration (DP broadcasts the weights).
+class Broadcast(torch.autograd.Function):
+    """CPU twin of torch.nn.parallel._functions.Broadcast: weights out to every device, gradients summed back.
 
-    Device 0's replica is the module itself, as in DataParallel, where the broadcast to the first
-    device returns the original tensors.
+    forward: device 0 gets the parameters themselves (torch/csrc/cuda/comm.cpp broadcast_coalesced:
+    `outputs[0] = tensors`), every other device a copy. backward: the sum over devices of each parameter's
+    gradient, which torch does with ReduceAddCoalesced -> comm.reduce_add_coalesced onto device 0.
+    `log` (a dict) records what the backward did, so a lesson can show it.
     """
-    copies = [module]
-    for _ in range(num_devices - 1):
-        replica = copy.deepcopy(module)
-        for parameter in replica.parameters():
-            parameter.grad = None
-        copies.append(replica)
-    return copies
+
+    @staticmethod
+    def forward(ctx, log: dict, num_devices: int, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.log, ctx.num_devices, ctx.num_params = log, num_devices, len(params)
+        copies = [p.clone() for _ in range(num_devices - 1) for p in params]
+        log["bytes_copied"] = sum(c.numel() * c.element_size() for c in copies)
+        return (*params, *copies)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        began, k = time.perf_counter(), ctx.num_params
+        per_device = [grads[d * k:(d + 1) * k] for d in range(ctx.num_devices)]
+        summed = [torch.stack(same_param).sum(0) for same_param in zip(*per_device, strict=True)]
+        ctx.log.update(reduce_thread=threading.current_thread().name, reduce_calls=ctx.log.get("reduce_calls", 0) + 1,
+                       devices_summed=len(per_device), reduce_began=began,
+                       bytes_from_other_devices=sum(g.numel() * g.element_size() for g in grads[k:]))
+        return (None, None, *summed)
+
+
+def replicate(module: nn.Module, num_devices: int, log: dict | None = None) -> tuple[list[nn.Module], list[list]]:
+    """Step 2: one replica per device, made again every iteration, the way torch/nn/parallel/replicate.py does.
+
+    Each replica module comes from torch's own Module._replicate_for_data_parallel (it has no parameters of
+    its own); its weights are Broadcast's outputs, set as plain attributes: non-leaf tensors with no .grad.
+    Buffers are shared, not broadcast (the models here have none). Returns the replicas and their weights.
+    """
+    params = list(module.parameters())
+    flat = Broadcast.apply({} if log is None else log, num_devices, *params)
+    weights = [list(flat[d * len(params):(d + 1) * len(params)]) for d in range(num_devices)]
+    index = {p: i for i, p in enumerate(params)}
+    replicas = []
+    for device in range(num_devices):
+        copies = {m: m._replicate_for_data_parallel() for m in module.modules()}
+        for original, replica in copies.items():
+            for name, child in original._modules.items():
+                setattr(replica, name, None if child is None else copies[child])
+            for name, param in original._parameters.items():
+                setattr(replica, name, None if param is None else weights[device][index[param]])
+        replicas.append(copies[module])
+    return replicas, weights
 
 
 def parallel_apply(function: Callable[[int], None], num_devices: int, parallel: bool = True) -> None:
@@ -52,7 +94,8 @@ def parallel_apply(function: Callable[[int], None], num_devices: int, parallel: 
         for device in range(num_devices):
             function(device)
         return
-    threads = [threading.Thread(target=function, args=(device,)) for device in range(num_devices)]
+    threads = [threading.Thread(target=function, args=(device,), name=f"device {device}")
+               for device in range(num_devices)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -60,17 +103,20 @@ def parallel_apply(function: Callable[[int], None], num_devices: int, parallel: 
 
 
 def gather(outputs: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Step 4: concatenate the outputs on device 0, where the loss is computed."""
+    """Step 4: concatenate the outputs on device 0, where the loss is computed (its backward splits the grad)."""
     return torch.cat(list(outputs))
 
 
-def reduce_gradients(replicas: Sequence[nn.Module]) -> None:
-    """After backward: add every replica's gradients onto device 0's (the module's) gradients."""
-    first, *others = replicas
-    for parameters in zip(first.parameters(), *(r.parameters() for r in others), strict=True):
-        target, *sources = parameters
-        for source in sources:
-            target.grad += source.grad
+def _nodes_until(node, stop: type) -> list:
+    """The autograd nodes reachable from `node`, not going past nodes of autograd Function `stop`."""
+    seen, todo = [], [node]
+    while todo:
+        current = todo.pop()
+        if current is None or current in seen or type(current) is stop._backward_cls:
+            continue
+        seen.append(current)
+        todo += [child for child, _ in current.next_functions]
+    return seen
 
 
 def _nbytes(tensors) -> int:
@@ -79,120 +125,166 @@ def _nbytes(tensors) -> int:
 
 @dataclass
 class StepReport:
-    """What one NaiveDataParallel iteration did: its loss, the time of each phase, the work per device."""
+    """What one NaiveDataParallel iteration did: its loss, the time of each phase, the evidence per device."""
 
     loss: float
     phase_seconds: dict[str, float]
-    per_device: list[dict[str, float]] = field(default_factory=list)
+    per_device: list[dict[str, float | str]] = field(default_factory=list)
+    reduce: dict = field(default_factory=dict)
+    loss_phase_cpu_seconds: float = 0.0
 
 
 class NaiveDataParallel:
-    """DataParallel's algorithm, readable and runnable on CPU: devices are threads and model copies.
+    """DataParallel's algorithm, readable and runnable on CPU: devices are threads and sets of weights.
 
+    Torch runs the whole backward as one loss.backward(): the autograd engine gives every GPU its own
+    thread, so each replica's backward runs on its device's thread, then Broadcast's backward sums the
+    gradients. The CPU engine has no per-device threads, so train_step splits that backward in three
+    calls: loss -> outputs (main thread), outputs -> replica weights (one thread per device), replica
+    weights -> the module's parameters through Broadcast's backward (the reduction).
     parallel=False runs the devices one after another (to see what the threads buy, or not, under the GIL).
+    evidence=False skips the hooks and the before/after reading of the weights (for timing whole steps).
     """
 
-    def __init__(self, module: nn.Module, num_devices: int = 2, parallel: bool = True) -> None:
-        self.module, self.num_devices, self.parallel = module, num_devices, parallel
+    def __init__(self, module: nn.Module, num_devices: int = 2, parallel: bool = True, evidence: bool = True) -> None:
+        self.module, self.num_devices, self.parallel, self.evidence = module, num_devices, parallel, evidence
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor,
                    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                    optimizer: torch.optim.Optimizer) -> StepReport:
         """One iteration: scatter, replicate, parallel forward, gather, loss, parallel backward, reduce, step."""
-        n, clock, seconds = self.num_devices, time.perf_counter, {}
-        work = [{"samples": 0.0, "forward_cpu_s": 0.0, "backward_cpu_s": 0.0} for _ in range(n)]
-
-        start = clock()
+        n, clock, seconds, log = self.num_devices, time.perf_counter, {}, {}
+        work: list[dict] = [{"samples": 0.0, "hooks_fired": 0} for _ in range(n)]
+        t0 = start = clock()
         chunks = scatter(inputs, n)
         seconds["scatter"], start = clock() - start, clock()
-        replicas = replicate(self.module, n)
+        replicas, weights = replicate(self.module, n, log)
         seconds["replicate"], start = clock() - start, clock()
 
-        outputs: list[torch.Tensor | None] = [None] * n
+        outputs: list = [None] * n
 
         def forward(device: int) -> None:
-            began = time.thread_time()  # CPU time of this device's thread only
             outputs[device] = replicas[device](chunks[device])
             work[device]["samples"] = float(len(chunks[device]))
-            work[device]["forward_cpu_s"] = time.thread_time() - began
 
         parallel_apply(forward, n, self.parallel)
         seconds["forward"], start = clock() - start, clock()
-        # The gathered copy is a new leaf: its gradient is what DP scatters back to the devices.
-        gathered = gather([o.detach() for o in outputs]).requires_grad_()
+        gathered = gather(outputs)
         seconds["gather"], start = clock() - start, clock()
+        cpu_start = time.thread_time()
         loss = loss_fn(gathered, targets)
-        loss.backward()
-        output_grads = scatter(gathered.grad, n)
+        output_grads = torch.autograd.grad(loss, outputs)  # gather's backward: the gradient split per device
+        loss_cpu = time.thread_time() - cpu_start
         seconds["loss"], start = clock() - start, clock()
 
+        for device in range(n if self.evidence else 0):  # a hook on each replica's backward nodes: where, when
+            for node in _nodes_until(outputs[device].grad_fn, Broadcast):
+                node.register_hook(self._hook(work[device], t0))
+        grads: list = [None] * n
+
         def backward(device: int) -> None:
-            began = time.thread_time()
-            outputs[device].backward(output_grads[device])
-            work[device]["backward_cpu_s"] = time.thread_time() - began
+            work[device]["backward_began_s"] = clock() - t0
+            grads[device] = torch.autograd.grad(outputs[device], weights[device], output_grads[device])
+            work[device]["backward_ended_s"] = clock() - t0
+            work[device]["backward_thread"] = threading.current_thread().name
 
         parallel_apply(backward, n, self.parallel)
         seconds["backward"], start = clock() - start, clock()
-        for device, replica in enumerate(replicas):
-            work[device]["grad_norm_before_reduce"] = float(
-                torch.norm(torch.stack([p.grad.norm() for p in replica.parameters()])))
-        reduce_gradients(replicas)
+        # The reduction: autograd runs Broadcast's backward with every device's gradients at once.
+        torch.autograd.backward([w for ws in weights for w in ws], [g for gs in grads for g in gs])
         seconds["reduce"], start = clock() - start, clock()
+        if self.evidence:
+            self._structure(work, replicas, weights, grads, optimizer)
+            before = [[w.detach().clone() for w in ws] for ws in weights]
+        start = clock()
         optimizer.step()
         seconds["step"] = clock() - start
+        if self.evidence:
+            self._after_step(work, weights, before, optimizer)
+        return StepReport(loss=loss.item(), phase_seconds=seconds, per_device=work, reduce=log,
+                          loss_phase_cpu_seconds=loss_cpu)
 
-        self._account_memory(work, replicas, outputs, gathered, optimizer)
-        return StepReport(loss=loss.item(), phase_seconds=seconds, per_device=work)
+    @staticmethod
+    def _hook(record: dict, t0: float) -> Callable:
+        def hook(grad_inputs, grad_outputs) -> None:
+            now = time.perf_counter() - t0
+            record["hooks_fired"] += 1
+            record.setdefault("hook_threads", set()).add(threading.current_thread().name)
+            record["first_hook_s"] = min(record.get("first_hook_s", now), now)
+            record["last_hook_s"] = max(record.get("last_hook_s", now), now)
+        return hook
 
-    def _account_memory(self, work: list[dict], replicas: Sequence[nn.Module], outputs: Sequence[torch.Tensor],
-                        gathered: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
-        """Bytes of the tensors each device holds at the end of the iteration (activations not counted)."""
-        state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
-        for device, replica in enumerate(replicas):
-            params = list(replica.parameters())
-            work[device]["param_bytes"] = _nbytes(params)
-            work[device]["grad_bytes"] = _nbytes([p.grad for p in params])
-            work[device]["output_bytes"] = _nbytes([outputs[device]]) + (_nbytes([gathered]) if device == 0 else 0)
-            work[device]["optimizer_state_bytes"] = _nbytes(state) if device == 0 else 0
-            work[device]["optimizer_steps"] = 1 if device == 0 else 0
+    @staticmethod
+    def _structure(work: list[dict], replicas: list[nn.Module], weights: list[list[torch.Tensor]],
+                   grads: list, optimizer: torch.optim.Optimizer) -> None:
+        """Read from the run, before the step: what each device's weights are, what the optimizer holds."""
+        held = {p.untyped_storage().data_ptr() for group in optimizer.param_groups for p in group["params"]}
+        for device, record in enumerate(work):
+            with warnings.catch_warnings():  # reading .grad of a non-leaf warns; that it is None is the point
+                warnings.simplefilter("ignore")
+                record["weights_with_grad"] = sum(w.grad is not None for w in weights[device])
+            record["weights_are_leaves"] = sum(w.is_leaf for w in weights[device])
+            record["weight_grad_fn"] = type(weights[device][0].grad_fn).__name__
+            record["replica_parameters"] = len(list(replicas[device].parameters()))
+            record["weight_bytes"] = _nbytes(weights[device])
+            record["grad_bytes_computed"] = _nbytes(grads[device])
+            record["storages"] = {w.untyped_storage().data_ptr() for w in weights[device]}
+            record["optimizer_holds"] = len(record["storages"] & held)
 
+    @staticmethod
+    def _after_step(work: list[dict], weights: list[list[torch.Tensor]], before: list[list[torch.Tensor]],
+                    optimizer: torch.optim.Optimizer) -> None:
+        """Read from the run, after the step: whose weights it changed, whose memory holds its state."""
+        state = {p.untyped_storage().data_ptr(): s for p, s in optimizer.state.items()}
+        for device, record in enumerate(work):
+            storages = record.pop("storages")
+            record["optimizer_state_bytes"] = sum(_nbytes([t for t in state[ptr].values() if torch.is_tensor(t)])
+                                                  for ptr in storages & set(state))
+            record["weights_changed_by_step"] = sum(not torch.equal(b, w.detach())
+                                                    for b, w in zip(before[device], weights[device], strict=True))
 
 def single_device_gradients(module: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
                             loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
-    """The reference: plain forward/backward of the whole batch on one copy of the model."""
-    reference = copy.deepcopy(module)
-    reference.zero_grad(set_to_none=True)
-    loss_fn(reference(inputs), targets).backward()
-    return [p.grad.clone() for p in reference.parameters()]
+    """The reference: plain forward/backward of the whole batch, gradients returned, module's .grad untouched."""
+    params = list(module.parameters())
+    return [g.clone() for g in torch.autograd.grad(loss_fn(module(inputs), targets), params)]
 
 
-def max_abs_diff(first: Sequence[torch.Tensor], second: Sequence[torch.Tensor]) -> float:
-    """The largest elementwise difference between two lists of tensors."""
-    return max(float((a - b).detach().abs().max()) for a, b in zip(first, second, strict=True))
+def measured_traffic(module: nn.Module, num_devices: int, batch: int = 12) -> dict[str, int]:
+    """Bytes NaiveDataParallel moved between devices in one iteration: weights out, gradients back."""
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.rand(batch, 1, 28, 28, generator=generator)
+    targets = torch.randint(0, 10, (batch,), generator=generator)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.0)
+    report = NaiveDataParallel(module, num_devices, parallel=False).train_step(
+        inputs, targets, nn.functional.cross_entropy, optimizer)
+    return {"weights_out": report.reduce["bytes_copied"], "grads_back": report.reduce["bytes_from_other_devices"]}
 
 
-def check_reduce(reduce: Callable[[Sequence[nn.Module]], None]) -> bool:
-    """The exercise's check: does `reduce(replicas)` leave the summed gradients on replicas[0]?"""
-    torch.manual_seed(0)
-    replicas = [nn.Linear(3, 2) for _ in range(3)]
-    for replica in replicas:
-        replica(torch.randn(4, 3)).pow(2).sum().backward()
-    expected = [sum(r.weight.grad for r in replicas), sum(r.bias.grad for r in replicas)]
-    others_before = [p.grad.clone() for r in replicas[1:] for p in r.parameters()]
-    try:
-        reduce(replicas)
-    except NotImplementedError:
-        print("Not yet: reduce_onto_first still raises NotImplementedError. Write its body.")
-        return False
-    got = [replicas[0].weight.grad, replicas[0].bias.grad]
-    if any(g is None for g in got) or max_abs_diff(got, expected) > 1e-6:
-        print("Not yet: replicas[0] should hold the SUM of every replica's gradients (its own included).")
-        return False
-    if max_abs_diff([p.grad for r in replicas[1:] for p in r.parameters()], others_before) > 0:
-        print("Not yet: only device 0's gradients should change; the other replicas are thrown away.")
-        return False
-    print("Correct: device 0 now holds the sum of every replica's gradients, as DataParallel does.")
-    return True
+def check_traffic(traffic: Callable[[int, int], int]) -> bool:
+    """The exercise's check: does traffic(parameter_bytes, num_devices) give the bytes DP moves per iteration?"""
+    from helpers.models import SimpleModel
+
+    for build in (SimpleModel, deep_mlp):
+        model = build()
+        parameter_bytes = _nbytes(model.parameters())
+        for num_devices in (2, 3, 4):
+            moved = measured_traffic(model, num_devices)
+            try:
+                answer = traffic(parameter_bytes, num_devices)
+            except NotImplementedError:
+                return not_yet("traffic still raises NotImplementedError. Write its body.")
+            expected = moved["weights_out"] + moved["grads_back"]
+            if answer == expected:
+                continue
+            if answer == moved["weights_out"]:
+                return not_yet("that is only the weights going out; the gradients come back to device 0 too.")
+            if answer == expected * num_devices // (num_devices - 1):
+                return not_yet("device 0 keeps the module's own weights: nothing is copied to or from it.")
+            return not_yet(f"{build.__name__}, {num_devices} devices, {parameter_bytes:,} parameter bytes: "
+                           f"you said {answer:,}, the run moved {expected:,} bytes.")
+    return correct("weights out to every device but the first, gradients back from them: "
+                   "2 x (devices - 1) x parameter bytes per iteration, as the runs measured.")
 
 
 # ---------------------------------------------------------------------------- DDP: counting all-reduce calls
@@ -213,48 +305,89 @@ class AllreduceCounter:
         self.process_group = process_group
         self.calls = 0
         self.bucket_numels: list[int] = []
-        self.launch_times: list[float] = []
 
     def reset(self) -> None:
-        self.calls, self.bucket_numels, self.launch_times = 0, [], []
+        self.calls, self.bucket_numels = 0, []
 
 
 def counting_allreduce_hook(state: AllreduceCounter, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP's default all-reduce (average over ranks), with one count per call: one call per bucket.
 
-    The return annotation must be spelled out: DDP checks it when the hook is registered.
+    The annotations must be real types (no `from __future__ import annotations` in this file): DDP checks
+    them when the hook is registered.
     """
     state.calls += 1
     state.bucket_numels.append(bucket.buffer().numel())
-    state.launch_times.append(time.perf_counter())
     return default_hooks.allreduce_hook(state.process_group, bucket)
 
 
-def median_seconds(step: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:
-    """Median wall-clock seconds of step() (after warm-up calls), synchronising CUDA if it is in use."""
-    for _ in range(warmup):
-        step()
-    seconds = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        seconds.append(time.perf_counter() - start)
-    return sorted(seconds)[len(seconds) // 2]
+# ---------------------------------------------------------------------------- DDP: overlap, measured
+
+Span = tuple[float, float]
 
 
-def data_parallel_step_ms(model: nn.Module, global_batch: int = 64, repeats: int = 5) -> float:
-    """Milliseconds per training step of nn.DataParallel(model) on every visible GPU (CPU: pass-through)."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    wrapped = nn.DataParallel(model.to(device))
-    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.01)
-    images = torch.rand(global_batch, 1, 28, 28, device=device)
-    labels = torch.randint(0, 10, (global_batch,), device=device)
+def merge(spans: Sequence[Span]) -> list[Span]:
+    """The union of time spans, as sorted spans that do not touch."""
+    merged: list[list[float]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(start, end) for start, end in merged]
 
-    def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        nn.functional.cross_entropy(wrapped(images), labels).backward()
-        optimizer.step()
 
-    return 1000 * median_seconds(step, repeats)
+def intersect(first: Sequence[Span], second: Sequence[Span]) -> list[Span]:
+    """The time covered by both sets of spans."""
+    first, second = merge(first), merge(second)
+    both, i, j = [], 0, 0
+    while i < len(first) and j < len(second):
+        start, end = max(first[i][0], second[j][0]), min(first[i][1], second[j][1])
+        if start < end:
+            both.append((start, end))
+        i, j = (i + 1, j) if first[i][1] < second[j][1] else (i, j + 1)
+    return both
+
+
+def subtract(spans: Sequence[Span], holes: Sequence[Span]) -> list[Span]:
+    """The time in `spans` that is not in `holes`."""
+    left = []
+    for start, end in merge(spans):
+        for hole_start, hole_end in merge(holes):
+            if hole_end <= start or hole_start >= end:
+                continue
+            if hole_start > start:
+                left.append((start, hole_start))
+            start = max(start, hole_end)
+        if start < end:
+            left.append((start, end))
+    return left
+
+
+def total(spans: Sequence[Span]) -> float:
+    return sum(end - start for start, end in merge(spans))
+
+
+def overlap(events: Sequence[dict]) -> dict[str, float]:
+    """How much of one step's running all-reduce time falls inside backward compute (dp_vs_ddp_overlap events).
+
+    compute: the backward ops on the training thread, minus the all-reduce calls issued from inside them;
+    communication: the all-reduce running in the backend's thread (with gloo this includes waiting for the
+    other ranks). fraction = |communication and compute at the same time| / |communication|.
+    """
+    def spans(kind: str) -> list[Span]:
+        return [(e["start_us"], e["end_us"]) for e in events if e["kind"] == kind]
+
+    compute = subtract(spans("backward"), spans("all-reduce issued"))
+    communication = spans("all-reduce running")
+    backward_end = max(end for _, end in spans("backward"))
+    both = total(intersect(communication, compute))
+    comm = total(communication)
+    return {"communication_us": comm, "compute_us": total(compute), "overlap_us": both,
+            "fraction": both / comm if comm else 0.0, "backward_us": backward_end,
+            "communication_after_backward_us": total(subtract(communication, [(float("-inf"), backward_end)]))}
+
+
+def bucket_table(run) -> list[dict]:
+    """The bucket sweep of a dp_vs_ddp_buckets run as rows, one per setting, for tables and plots."""
+    return list(run.results[0]["sweep"])

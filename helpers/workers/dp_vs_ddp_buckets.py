@@ -1,71 +1,89 @@
-"""Sweep DDP's bucket_cap_mb: how many all-reduce calls per step, and how long a step takes.
+"""Sweep DDP's bucket_cap_mb: the buckets of the first step and after DDP rebuilds them, calls and time per step.
 
-    torchrun --standalone --nproc-per-node 2 helpers/workers/dp_vs_ddp_buckets.py --caps 0.1 0.5 1 25
+    torchrun --standalone --nproc-per-node 2 helpers/workers/dp_vs_ddp_buckets.py --caps default 0.5 1 25
 
-For each bucket cap, wraps the same deep MLP in DDP, counts the all-reduce calls with a comm hook
-(one call per bucket) and times a few training steps after warm-up. gloo on CPU, nccl on GPUs.
+For each setting ("default" means no bucket_cap_mb argument at all), wraps the same deep MLP in DDP,
+counts the all-reduce calls of every step with a comm hook (one call per bucket) and times the steps.
+Step 1 runs with the buckets DDP built at construction; after it, DDP rebuilds them in the order the
+gradients arrived (Reducer::rebuild_buckets), so steps 2.. show the buckets training really uses.
+Rank 0 hands back one row per setting in results["sweep"]. gloo on CPU, nccl on GPUs; works with one process.
 """
 import argparse
-import os
 import time
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from helpers.distributed import init_distributed
 from helpers.dp import AllreduceCounter, counting_allreduce_hook, deep_mlp
 from helpers.worker import progress, report, result
 
+MIB = 2**20
 
-def time_steps(model: DDP, images: torch.Tensor, labels: torch.Tensor, steps: int) -> list[float]:
-    """Seconds per training step (forward, backward with its all-reduces, optimizer step)."""
+
+def one_step(model: DDP, optimizer: torch.optim.Optimizer, images: torch.Tensor, labels: torch.Tensor) -> float:
+    """Seconds for one training step (forward, backward with its all-reduces, optimizer step)."""
+    start = time.perf_counter()
+    optimizer.zero_grad(set_to_none=True)
+    torch.nn.functional.cross_entropy(model(images), labels).backward()
+    optimizer.step()
+    if images.is_cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def sweep_one(cap: float | None, steps: int, images: torch.Tensor, labels: torch.Tensor) -> dict:
+    """Train `steps` steps with one bucket setting; return what DDP did in the first and in the later steps."""
+    torch.manual_seed(0)
+    options = {} if cap is None else {"bucket_cap_mb": cap}
+    model = DDP(deep_mlp().to(images.device), **options)
+    counter = AllreduceCounter()
+    model.register_comm_hook(counter, counting_allreduce_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    seconds = []
+    buckets, seconds = [], []
     for _ in range(steps):
-        start = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        torch.nn.functional.cross_entropy(model(images), labels).backward()
-        optimizer.step()
-        if images.is_cuda:
-            torch.cuda.synchronize()
-        seconds.append(time.perf_counter() - start)
-    return seconds
+        counter.reset()
+        seconds.append(one_step(model, optimizer, images, labels))
+        buckets.append([round(n * 4 / MIB, 3) for n in counter.bucket_numels])
+    later = sorted(seconds[1:])
+    logged = model._get_ddp_logging_data()  # DDP's own record: the rebuilt bucket sizes, in bytes
+    return {"setting": "default" if cap is None else f"{cap:g}", "bucket_cap_mb": cap,
+            "first_step_buckets_mib": buckets[0], "buckets_mib": buckets[-1],
+            "calls_per_step": len(buckets[-1]),
+            "same_buckets_every_later_step": all(b == buckets[-1] for b in buckets[1:]),
+            "ddp_rebuilt_bucket_bytes": [int(b) for b in str(logged.get("rebuilt_bucket_sizes", "")).split(", ") if b],
+            "step_ms": 1000 * later[len(later) // 2], "step_ms_all": [1000 * s for s in seconds]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--caps", type=float, nargs="+", default=[0.1, 0.5, 1, 25])
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--caps", nargs="+", default=["default", "0.1", "0.5", "1", "25"],
+                        help="bucket_cap_mb values in MiB; 'default' passes none")
+    parser.add_argument("--steps", type=int, default=4, help="total steps per setting (the first is not timed)")
     parser.add_argument("--per-rank-batch", type=int, default=32)
     args = parser.parse_args()
+    if args.steps < 2:
+        parser.error("--steps must be at least 2: the first step runs before DDP rebuilds its buckets")
 
-    use_cuda = torch.cuda.is_available()
-    dist.init_process_group(backend="nccl" if use_cuda else "gloo")
-    rank = dist.get_rank()
-    device = torch.device(f"cuda:{int(os.environ['LOCAL_RANK'])}" if use_cuda else "cpu")
+    rank, world_size, device = init_distributed()
     torch.manual_seed(rank)
     images = torch.rand(args.per_rank_batch, 1, 28, 28, device=device)
     labels = torch.randint(0, 10, (args.per_rank_batch,), device=device)
 
-    for index, cap in enumerate(args.caps):
-        torch.manual_seed(0)
-        model = DDP(deep_mlp().to(device), bucket_cap_mb=cap)
-        counter = AllreduceCounter()
-        model.register_comm_hook(counter, counting_allreduce_hook)
-        time_steps(model, images, labels, steps=1)  # warm-up: DDP rebuilds its buckets after step 1
-        counter.reset()
-        seconds = time_steps(model, images, labels, args.steps)
-        calls_per_step = counter.calls / args.steps
-        median_ms = 1000 * sorted(seconds)[len(seconds) // 2]
-        report(step=index, bucket_cap_mb=cap, allreduce_calls_per_step=calls_per_step, step_ms=median_ms)
+    rows = []
+    for index, text in enumerate(args.caps):
+        row = sweep_one(None if text == "default" else float(text), args.steps, images, labels)
+        rows.append(row)
+        report(step=index, allreduce_calls_per_step=row["calls_per_step"], step_ms=row["step_ms"])
         if rank == 0:
-            mb = [round(n * 4 / 2**20, 2) for n in counter.bucket_numels[: counter.calls // args.steps]]
-            result(**{f"cap_{cap:g}": {"calls_per_step": calls_per_step, "bucket_mb": mb, "step_ms": median_ms}})
-            print(f"bucket_cap_mb={cap:g}: {calls_per_step:g} all-reduce calls per step, "
-                  f"buckets of {mb} MB, {median_ms:.1f} ms per step")
+            print(f"bucket_cap_mb={row['setting']}: step 1 {row['first_step_buckets_mib']} MiB, "
+                  f"then {row['buckets_mib']} MiB, {row['step_ms']:.1f} ms per step")
         progress(index + 1, total=len(args.caps))
-    parameters = sum(p.numel() for p in model.parameters())
-    result(parameters=parameters, world_size=dist.get_world_size(), device=device.type)
+    parameters = sum(p.numel() for p in deep_mlp().parameters())
+    if rank == 0:
+        result(sweep=rows, parameters=parameters, world_size=world_size, device=device.type,
+               per_rank_batch=args.per_rank_batch, first_bucket_bytes_default=dist._DEFAULT_FIRST_BUCKET_BYTES)
     dist.destroy_process_group()
 
 

@@ -1,20 +1,21 @@
 """Gradient accumulation with DDP's no_sync(): fewer all-reduce calls, the same gradients.
 
-    torchrun --standalone --nproc-per-node 2 helpers/workers/dp_vs_ddp_no_sync.py --accumulate 4
+    torchrun --standalone --nproc-per-node 2 helpers/workers/dp_vs_ddp_no_sync.py --accumulate 4 --per-rank-batch 8
 
-Each rank accumulates gradients over `accumulate` micro-batches twice: once syncing on every
+Each rank accumulates gradients over `accumulate` micro-batches of `per-rank-batch` samples twice: once syncing on every
 backward, once inside no_sync() for all but the last. It counts the all-reduce calls (comm hook)
 and compares both results with one process that sees every rank's micro-batches at once.
 """
 import argparse
 import contextlib
-import os
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from helpers.dp import AllreduceCounter, counting_allreduce_hook, deep_mlp, max_abs_diff
+from helpers.checks import max_abs_diff
+from helpers.distributed import init_distributed
+from helpers.dp import AllreduceCounter, counting_allreduce_hook, deep_mlp
 from helpers.worker import result
 
 
@@ -34,17 +35,14 @@ def accumulate(model: DDP, batches: list[tuple[torch.Tensor, torch.Tensor]], use
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--accumulate", type=int, default=4)
-    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--per-rank-batch", type=int, default=8, help="samples per rank in each micro-batch")
     args = parser.parse_args()
 
-    use_cuda = torch.cuda.is_available()
-    dist.init_process_group(backend="nccl" if use_cuda else "gloo")
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    device = torch.device(f"cuda:{int(os.environ['LOCAL_RANK'])}" if use_cuda else "cpu")
+    rank, world_size, device = init_distributed()
 
     # Every rank builds every rank's micro-batches (same seed), then keeps its own.
     generator = torch.Generator().manual_seed(0)
-    shape = (world_size, args.accumulate, args.micro_batch)
+    shape = (world_size, args.accumulate, args.per_rank_batch)
     all_images = torch.rand(*shape, 1, 28, 28, generator=generator).to(device)
     all_labels = torch.randint(0, 10, shape, generator=generator).to(device)
     mine = [(all_images[rank, i], all_labels[rank, i]) for i in range(args.accumulate)]

@@ -1,14 +1,14 @@
 """Three DDP options, measured: find_unused_parameters, static_graph, gradient_as_bucket_view.
 
-    torchrun --standalone --nproc-per-node 2 helpers/workers/dp_vs_ddp_options.py
+    torchrun --standalone --nproc-per-node 2 helpers/workers/dp_vs_ddp_options.py --steps 5
 
-For each setting: median milliseconds per step, and how many separate gradient buffers exist
-(gradient_as_bucket_view makes each .grad a view into DDP's bucket, so gradients are not stored
-twice). Last, a model with a branch it never uses, without find_unused_parameters: DDP waits for
-gradients that never come and says so on the next iteration. gloo on CPU, nccl on GPUs.
+For each setting: median milliseconds per step (of `--steps` in total, the first two not timed), DDP's
+buckets, and how many separate gradient buffers exist (gradient_as_bucket_view makes each .grad a view
+into DDP's bucket, so gradients are not stored twice). Last, a model with a branch it never uses,
+without find_unused_parameters: DDP waits for gradients that never come and says so on the next iteration.
+gloo on CPU, nccl on GPUs.
 """
 import argparse
-import os
 import time
 
 import torch
@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from helpers.distributed import init_distributed
 from helpers.dp import deep_mlp
 from helpers.worker import result
 
@@ -39,9 +40,10 @@ class WithUnusedBranch(nn.Module):
 
 
 def median_step_ms(model: DDP, images: torch.Tensor, labels: torch.Tensor, steps: int) -> float:
+    """Median milliseconds per step over steps 3.. (DDP rebuilds its buckets, and records a static graph, first)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     seconds = []
-    for _ in range(steps + 2):  # two warm-up steps: DDP settles its buckets (and static graph) first
+    for _ in range(steps):
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=False)  # keep .grad tensors, so bucket views stay views
         torch.nn.functional.cross_entropy(model(images), labels).backward()
@@ -49,7 +51,8 @@ def median_step_ms(model: DDP, images: torch.Tensor, labels: torch.Tensor, steps
         if images.is_cuda:
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - start)
-    return 1000 * sorted(seconds[2:])[steps // 2]
+    timed = sorted(seconds[2:])
+    return 1000 * timed[len(timed) // 2]
 
 
 def unused_branch_error(device: torch.device) -> str:
@@ -65,14 +68,13 @@ def unused_branch_error(device: torch.device) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5, help="total steps per setting (the first two not timed)")
     parser.add_argument("--per-rank-batch", type=int, default=32)
     args = parser.parse_args()
+    if args.steps < 3:
+        parser.error("--steps must be at least 3: two settling steps, then at least one timed")
 
-    use_cuda = torch.cuda.is_available()
-    dist.init_process_group(backend="nccl" if use_cuda else "gloo")
-    rank = dist.get_rank()
-    device = torch.device(f"cuda:{int(os.environ['LOCAL_RANK'])}" if use_cuda else "cpu")
+    rank, _, device = init_distributed()
     torch.manual_seed(rank)
     images = torch.rand(args.per_rank_batch, 1, 28, 28, device=device)
     labels = torch.randint(0, 10, (args.per_rank_batch,), device=device)
@@ -83,9 +85,10 @@ def main() -> None:
         step_ms = median_step_ms(model, images, labels, args.steps)
         grads = [p.grad for p in model.parameters()]
         storages = len({g.untyped_storage().data_ptr() for g in grads})
-        grad_mb = sum(g.numel() * g.element_size() for g in grads) / 2**20
+        grad_mib = sum(g.numel() * g.element_size() for g in grads) / 2**20
+        buckets = str(model._get_ddp_logging_data().get("rebuilt_bucket_sizes", ""))
         result(**{name: {"step_ms": step_ms, "grad_storages": storages, "parameters": len(grads),
-                         "grad_mb": round(grad_mb, 2)}})
+                         "grad_mib": round(grad_mib, 2), "buckets": len(buckets.split(", ")) if buckets else 0}})
         if rank == 0:
             print(f"{name}: {step_ms:.1f} ms per step, gradients in {storages} buffers")
     result(unused_error=unused_branch_error(device))
