@@ -2,6 +2,8 @@
 
 SimpleModel is the source article's model, unchanged: 784 -> 10 -> 10 -> 10 with ReLUs.
 SmallCNN is the option for when accuracy should look like MNIST's usual numbers.
+mlp(width, hidden_layers) is lesson 07's model: a Sequential of Linear and ReLU layers, easy to cut into
+pipeline stages and to shard layer by layer.
 """
 from __future__ import annotations
 
@@ -39,6 +41,16 @@ class SmallCNN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.features(x))
+
+
+def mlp(width: int, hidden_layers: int, seed: int = 0) -> nn.Sequential:
+    """784 -> width -> (width -> width) x hidden_layers -> 10, ReLUs between (lesson 07)."""
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = [nn.Flatten(), nn.Linear(28 * 28, width), nn.ReLU()]
+    for _ in range(hidden_layers):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    layers.append(nn.Linear(width, 10))
+    return nn.Sequential(*layers)
 
 
 def build_model(name: str = "simple") -> nn.Module:

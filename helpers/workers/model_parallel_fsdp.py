@@ -2,21 +2,24 @@
 
     torchrun --standalone --nproc-per-node 2 helpers/workers/model_parallel_fsdp.py --steps 3
 
-`fully_shard` is applied to every Linear layer, then to the whole model. Each rank prints the shapes
+`fully_shard` is applied to every Linear layer, then to the whole model. Each rank records the shapes
 it holds, counts the all-gathers and reduce-scatters of each step (by wrapping the two functions FSDP
-calls), and trains a DDP copy on the same data to check that parameters stay equal. Works with one process.
+calls), and trains a DDP copy on the same data to check that parameters stay equal. Last, one step of a
+copy sharded with MixedPrecisionPolicy(param_dtype=torch.bfloat16): its all-gathers and reduce-scatters
+move bf16 (2 bytes per value), and its loss is compared with the fp32 model's. Works with one process.
 """
 import argparse
-import os
 from collections import Counter
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from helpers.model_parallel import mlp
+from helpers.checks import max_abs_diff
+from helpers.distributed import init_distributed
+from helpers.models import mlp
 from helpers.worker import report, result
 
 traffic: Counter = Counter()
@@ -35,6 +38,14 @@ def count_calls(name: str, full_size_arg: str) -> None:
     setattr(dist, name, counted)
 
 
+def shard(model: nn.Sequential, policy: MixedPrecisionPolicy) -> nn.Sequential:
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=256)
@@ -46,16 +57,9 @@ def main() -> None:
     # FSDP2 calls these two at run time (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py).
     count_calls("all_gather_single", "output")
     count_calls("reduce_scatter_single", "input")
-    use_cuda = torch.cuda.is_available()
-    dist.init_process_group(backend="nccl" if use_cuda else "gloo")
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    device = torch.device(f"cuda:{int(os.environ['LOCAL_RANK'])}" if use_cuda else "cpu")
+    rank, world_size, device = init_distributed()
 
-    model = mlp(args.width, args.hidden_layers).to(device)
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
+    model = shard(mlp(args.width, args.hidden_layers).to(device), MixedPrecisionPolicy())
     ddp_model = DDP(mlp(args.width, args.hidden_layers).to(device))  # same seed: same starting weights
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     ddp_optimizer = torch.optim.Adam(ddp_model.parameters(), lr=1e-3)
@@ -81,10 +85,21 @@ def main() -> None:
         report(step=step, loss=loss.item(), ddp_loss=ddp_loss.item())
 
     # full_tensor() all-gathers a sharded parameter: the check itself is one more collective per tensor.
-    max_diff = max((p.full_tensor() - q).abs().max().item()
-                   for p, q in zip(model.parameters(), ddp_model.parameters(), strict=True))
-    result(shards=shards, traffic=per_step, max_param_diff=max_diff,
-           n_params=sum(q.numel() for q in ddp_model.parameters()))
+    max_diff = max_abs_diff([p.full_tensor() for p in model.parameters()], list(ddp_model.parameters()))
+
+    # The same model gathered and reduced in bf16; the optimizer would still update fp32 shards.
+    bf16_model = shard(mlp(args.width, args.hidden_layers).to(device), MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    fp32_model = shard(mlp(args.width, args.hidden_layers).to(device), MixedPrecisionPolicy())
+    losses = {}
+    for name, copy in (("bf16", bf16_model), ("fp32", fp32_model)):
+        traffic.clear()
+        losses[name] = nn.functional.cross_entropy(copy(images), labels)
+        losses[name].backward()
+        per_step.append({"policy": name, **traffic})
+    result(shards=shards, traffic=per_step[:args.steps], bf16_traffic=per_step[args.steps], max_param_diff=max_diff,
+           n_params=sum(q.numel() for q in ddp_model.parameters()),
+           bf16_loss_diff=abs(losses["bf16"].item() - losses["fp32"].item()),
+           bf16_sharded_dtype=str(next(bf16_model.parameters()).dtype))
     dist.destroy_process_group()
 
 
