@@ -1,13 +1,18 @@
 """DDP training that survives a crash: checkpoint every N steps, resume from it after a restart.
 
     torchrun --standalone --nproc-per-node 2 --max-restarts 1 helpers/workers/fault_tolerance_train.py \
-        --checkpoint ckpt.pt --fail-rank 1 --fail-step 7
+        --checkpoint runs/fault_tolerance.pt --fail-rank 1 --fail-step 7
 
+--steps N              train N steps in total (a resumed run counts the steps before the restart)
+--per-rank-batch B     samples per rank and step; or --global-batch G: G / world_size per rank, so that a
+                       job that resumes with fewer ranks still averages its gradient over G samples
 --checkpoint PATH      save there every --checkpoint-every steps, and resume from it at start-up
---fail-rank/--fail-step  make one rank fail once, in the first attempt, at that step:
+--fail-rank/--fail-step  make a rank fail once, in the first attempt, at that step (no --fail-rank: every rank
+                       that was given the flags):
 --fail-mode crash      the process raises an error, as when its GPU fails
 --fail-mode hang       the process stops answering; the others time out after --timeout seconds
 --fail-mode mid-save   rank 0 is killed (SIGKILL) halfway through writing the checkpoint of that step
+--fail-mode node-lost  the whole node vanishes: SIGKILL to this rank's torchrun agent (its parent), then to itself
 Without --checkpoint a restart starts again from step 0. Works with one process, gloo or nccl.
 """
 import argparse
@@ -24,19 +29,24 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from helpers.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state, temporary_path
 from helpers.data import load
+from helpers.distributed import init_distributed
 from helpers.models import SimpleModel
 from helpers.worker import progress, report, result
+
+NOISE = 0.05  # augmentation noise: every rank draws its own, so every rank's RNG state matters on resume
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--per-rank-batch", type=int, default=32)
+    batch = parser.add_mutually_exclusive_group()
+    batch.add_argument("--per-rank-batch", type=int, default=32)
+    batch.add_argument("--global-batch", type=int, default=None)
     parser.add_argument("--checkpoint", default=None)
     parser.add_argument("--checkpoint-every", type=int, default=5)
     parser.add_argument("--fail-rank", type=int, default=None)
     parser.add_argument("--fail-step", type=int, default=None)
-    parser.add_argument("--fail-mode", choices=["crash", "hang", "mid-save"], default="crash")
+    parser.add_argument("--fail-mode", choices=["crash", "hang", "mid-save", "node-lost"], default="crash")
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds a collective may wait")
     return parser.parse_args()
 
@@ -44,13 +54,17 @@ def parse_args() -> argparse.Namespace:
 def failing_now(args: argparse.Namespace, rank: int, step: int) -> bool:
     """Fail once, in the first attempt only, so that the restarted group can finish."""
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    return first_attempt and rank == args.fail_rank and step == args.fail_step
+    return first_attempt and args.fail_rank in (None, rank) and step == args.fail_step
 
 
-def fail(mode: str) -> None:
+def fail(mode: str, rank: int) -> None:
     if mode == "crash":
-        raise RuntimeError(f"rank {dist.get_rank()}: simulated hardware failure")
-    print(f"rank {dist.get_rank()}: stops answering (a stuck GPU, a frozen machine)")
+        raise RuntimeError(f"rank {rank}: simulated hardware failure")
+    if mode == "node-lost":
+        print(f"rank {rank}: this node is gone (its torchrun agent and this worker are killed)")
+        os.kill(os.getppid(), signal.SIGKILL)  # the agent first: it must not restart this worker
+        os.kill(os.getpid(), signal.SIGKILL)
+    print(f"rank {rank}: stops answering (a stuck GPU, a frozen machine)")
     time.sleep(3600)
 
 
@@ -63,45 +77,53 @@ def die_while_saving(state: dict, checkpoint: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def init_distributed(backend: str, timeout: timedelta) -> None:
-    """init_process_group on a store prefixed by the attempt number.
+def join_group(timeout: timedelta) -> tuple[int, int, torch.device]:
+    """init_distributed on a store whose keys are prefixed by the attempt and the world size.
 
-    After a restart torchrun hands the new workers the same store as the first attempt; with plain
-    env:// a new rank 0 can read the dead attempt's addresses and fail to connect. A prefix per
-    attempt keeps the rounds apart.
+    After a restart, torchrun's workers get the same store as the first attempt (the agent keeps its
+    TCPStore server: DynamicRendezvousHandler.next_rendezvous in torch/distributed/elastic/rendezvous/
+    dynamic_rendezvous.py). Plain init_process_group() would read the dead attempt's addresses there and
+    fail with "Connection refused". The prefix keeps each group's keys apart; the world size is in it
+    because a node that joins restarts the workers without counting a restart.
     """
+    if "TORCHELASTIC_USE_AGENT_STORE" not in os.environ:  # plain python or torch.multiprocessing
+        return init_distributed(timeout=timeout)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    agent_hosts_store = os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "True"
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
                           is_master=rank == 0 and not agent_hosts_store, timeout=timeout)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group(backend, store=dist.PrefixStore(f"attempt_{attempt}", store),
-                            rank=rank, world_size=world_size, timeout=timeout)
+    prefix = f"attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}_world_{world_size}"
+    return init_distributed(store=dist.PrefixStore(prefix, store), rank=rank, world_size=world_size,
+                            timeout=timeout)
 
 
 def main() -> None:
     args = parse_args()
-    use_cuda = torch.cuda.is_available()
     # The timeout bounds every collective: a silent peer becomes an error, not an endless hang.
-    init_distributed("nccl" if use_cuda else "gloo", timedelta(seconds=args.timeout))
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+    rank, world_size, device = join_group(timedelta(seconds=args.timeout))
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if args.global_batch is not None and args.global_batch % world_size:
+        raise ValueError(f"--global-batch {args.global_batch} does not split over {world_size} ranks")
+    per_rank_batch = args.global_batch // world_size if args.global_batch else args.per_rank_batch
 
     torch.manual_seed(0)  # same initial weights on every rank
-    model = DDP(SimpleModel().to(device), device_ids=[local_rank] if use_cuda else None)
+    model = DDP(SimpleModel().to(device), device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     train_set, _ = load(train=True, limit=512)
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=0)
-    loader = DataLoader(train_set, batch_size=args.per_rank_batch, sampler=sampler, drop_last=True)
+    # The loader gets a generator of its own: every iter() draws a seed from it (_BaseDataLoaderIter in
+    # torch/utils/data/dataloader.py), and from the global one that draw would shift the noise on resume.
+    loader = DataLoader(train_set, batch_size=per_rank_batch, sampler=sampler, drop_last=True,
+                        generator=torch.Generator())
+    torch.manual_seed(1000 + rank)  # from here on each rank draws its own augmentation noise
 
     step = 0
     state = load_checkpoint(args.checkpoint, map_location=device) if args.checkpoint else None
     if state is not None:
         model.module.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])  # momentum buffers too, or the run drifts
-        set_rng_state(state["rng"])
+        if rank < len(state["rng"]):
+            set_rng_state(state["rng"][rank])  # this rank's own generator, not rank 0's
         step = state["step"]
     if rank == 0:
         print(f"attempt {attempt}: world size {world_size}, starting at step {step}")
@@ -113,28 +135,39 @@ def main() -> None:
             if batch_index < skip:
                 continue
             if failing_now(args, rank, step) and args.fail_mode != "mid-save":
-                fail(args.fail_mode)
+                fail(args.fail_mode, rank)
+            images = images + NOISE * torch.randn_like(images)
             loss = torch.nn.functional.cross_entropy(model(images.to(device)), labels.to(device))
             optimizer.zero_grad()
             loss.backward()  # DDP all-reduces the gradients here: every rank must take part
             optimizer.step()
             step += 1
-            report(step=step, loss=loss.item())
+            report(step=step, loss=loss.item(), world_size=world_size)
             progress(step, total=args.steps)
-            if args.checkpoint and rank == 0 and step % args.checkpoint_every == 0:
-                # One writer is enough: after the all-reduce every rank holds the same weights.
-                state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
-                         "rng": rng_state(), "step": step}
-                if failing_now(args, rank, step) and args.fail_mode == "mid-save":
-                    die_while_saving(state, args.checkpoint)
-                save_checkpoint(args.checkpoint, state)
-                print(f"step {step}: checkpoint saved")
+            if args.checkpoint and step % args.checkpoint_every == 0:
+                save(args, model, optimizer, step, rank, world_size)
             if step == args.steps:
                 break
 
     parameters = torch.cat([p.detach().flatten() for p in model.module.parameters()]).cpu()
-    result(parameters=parameters, steps=step, attempt=attempt)
+    result(parameters=parameters, steps=step, attempt=attempt, world_size=world_size)
     dist.destroy_process_group()
+
+
+def save(args: argparse.Namespace, model: DDP, optimizer: torch.optim.Optimizer, step: int, rank: int,
+         world_size: int) -> None:
+    """Rank 0 writes the weights and optimizer (after the all-reduce every rank holds the same ones), and
+    every rank's own RNG state, gathered from all ranks."""
+    states = [None] * world_size if rank == 0 else None
+    dist.gather_object(rng_state(), states, dst=0)
+    if rank != 0:
+        return
+    state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "rng": states,
+             "step": step}
+    if failing_now(args, rank, step) and args.fail_mode == "mid-save":
+        die_while_saving(state, args.checkpoint)
+    save_checkpoint(args.checkpoint, state)
+    print(f"step {step}: checkpoint saved")
 
 
 if __name__ == "__main__":
