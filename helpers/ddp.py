@@ -1,7 +1,7 @@
 """Library code for lesson 02 (DistributedDataParallel), used by its workers and its notebook.
 
-    from helpers.ddp import parameter_checksum, single_process_reference, max_abs_diff
-    from helpers.ddp import undefined_names, run_article, check_ddp_worker
+    from helpers.ddp import parameter_checksum, flat, single_process_reference
+    from helpers.ddp import article_source, undefined_names, last_error_line, check_ddp_worker
 
 Taught in notebooks/02_ddp.ipynb: checksums prove the ranks hold identical weights, the single-
 process reference proves DDP's averaged gradients equal one big batch's, and the article helpers
@@ -18,25 +18,27 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from helpers.checks import correct, max_abs_diff, not_yet
+
 WORKERS = Path(__file__).resolve().parent / "workers"
+
+
+def tensor_checksum(tensors: list[torch.Tensor]) -> str:
+    """A short hash of the tensors' exact bytes: equal only if they are bitwise equal."""
+    digest = hashlib.sha256()
+    for tensor in tensors:
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:12]
 
 
 def parameter_checksum(model: nn.Module) -> str:
     """A short hash of every parameter's exact bytes: equal only if the weights are bitwise equal."""
-    digest = hashlib.sha256()
-    for parameter in model.parameters():
-        digest.update(parameter.detach().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()[:12]
+    return tensor_checksum(list(model.parameters()))
 
 
 def flat(tensors: list[torch.Tensor]) -> torch.Tensor:
     """All tensors as one 1-D float64 vector (for comparing runs)."""
     return torch.cat([t.detach().cpu().reshape(-1).double() for t in tensors])
-
-
-def max_abs_diff(a: object, b: object) -> float:
-    """Largest absolute difference between two equally long sequences of numbers."""
-    return (torch.as_tensor(a, dtype=torch.float64) - torch.as_tensor(b, dtype=torch.float64)).abs().max().item()
 
 
 def single_process_reference(global_batch: int, steps: int, lr: float = 0.1, seed: int = 0) -> dict:
@@ -120,35 +122,36 @@ def last_error_line(text: str) -> str:
 
 
 def check_ddp_worker(script: str | Path, nproc: int = 2) -> bool:
-    """Launch the learner's DDP version of ddp_exercise_single.py and say what is right or missing."""
+    """Launch the learner's DDP version of ddp_exercise_single.py on `nproc` ranks; say what is still missing.
+
+    Prints one line, "Correct: ..." or "Not yet: ...". The untouched starting script gets "Not yet":
+    on 2 ranks it runs twice, each copy on all the data.
+    """
     from helpers.launch import WorkerFailed, launch
 
     script = Path(script)
     if not script.is_file():
-        print(f"{script} does not exist yet: write your DDP worker there first.")
-        return False
+        return not_yet(f"{script} does not exist yet: write your DDP worker there first.")
     reference = launch(WORKERS / "ddp_exercise_single.py", nproc=1, echo=False).results[0]
     try:
         run = launch(script, nproc=nproc, echo=False, timeout=120)
     except WorkerFailed as error:
-        print(f"Your script failed on {nproc} ranks: {last_error_line(error)}")
-        return False
+        return not_yet(f"your script failed on {nproc} ranks: {last_error_line(error)}")
     if sorted(run.results) != list(range(nproc)) or any("weights" not in r for r in run.results.values()):
-        print("Every rank must call result(weights=..., samples_seen=...) as the original script does.")
-        return False
+        return not_yet("every rank must call result(weights=..., samples_seen=...) as the original script does.")
     seen = [run.results[rank]["samples_seen"] for rank in range(nproc)]
-    share = reference["samples_seen"] // nproc
-    checks = [
-        (all(s == share for s in seen), f"each rank trained on its own {share} of the "
-         f"{reference['samples_seen']} samples", f"ranks saw {seen} samples, not {share} each: shard "
-         f"the data with DistributedSampler"),
-        (all(max_abs_diff(run.results[r]["weights"], run.results[0]["weights"]) == 0 for r in range(nproc)),
-         "every rank ends with identical weights", "the ranks' weights differ: wrap the model in DDP"),
-        (max_abs_diff(run.results[0]["weights"], reference["weights"]) < 1e-5,
-         "the weights match the single-process run (max abs diff < 1e-5)",
-         "the weights differ from the single-process run: use per-rank batch = GLOBAL_BATCH // "
-         "world_size and DistributedSampler(shuffle=False)"),
-    ]
-    for passed, good, bad in checks:
-        print(("PASS: " + good) if passed else ("NOT YET: " + bad))
-    return all(passed for passed, _, _ in checks)
+    total, share = reference["samples_seen"], reference["samples_seen"] // nproc
+    if seen != [share] * nproc:  # the unchanged script: every rank trains on all the data
+        return not_yet(f"the ranks trained on {seen} samples; each should train on its own {share} of the "
+                       f"{total}: give each rank its share with DistributedSampler.")
+    rank_diff = max(max_abs_diff(run.results[r]["weights"], run.results[0]["weights"]) for r in range(nproc))
+    if rank_diff != 0:  # sharded but not synchronised: each rank learns from its half only
+        return not_yet(f"the ranks end with different weights (max abs diff {rank_diff:.1e}): wrap the model in "
+                       f"DistributedDataParallel so that every step averages the gradients.")
+    diff = max_abs_diff(run.results[0]["weights"], reference["weights"])
+    if diff >= 1e-5:  # e.g. a per-rank batch of GLOBAL_BATCH, or shuffled shards
+        return not_yet(f"the ranks agree, but their weights differ from the one-process run (max abs diff "
+                       f"{diff:.1e}): use a per-rank batch of GLOBAL_BATCH // world_size and "
+                       f"DistributedSampler(shuffle=False).")
+    return correct(f"each of {nproc} ranks trained on its own {share} of the {total} samples, the ranks end with "
+                   f"identical weights, and those equal the one-process run (max abs diff {diff:.0e} < 1e-05).")

@@ -3,7 +3,8 @@
     python helpers/workers/ddp_single.py --epochs 2
 
 Same model, data, optimizer and logging as ddp_train.py, with nothing distributed: compare the
-two files to see exactly what DistributedDataParallel needs.
+two files to see exactly what DistributedDataParallel needs. train_seconds times the training
+steps only (data, forward, backward, optimizer), not start-up and not the evaluation.
 """
 import argparse
 import itertools
@@ -23,10 +24,10 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["simple", "cnn"], default="simple")
     parser.add_argument("--epochs", type=int, default=5)
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--global-batch", type=int, default=64, help="samples per optimizer step")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--momentum", type=float, default=0.9)
-    parser.add_argument("--steps", type=int, default=0, help="stop each epoch after this many steps (0: all)")
+    parser.add_argument("--steps", type=int, default=0, help="stop after this many steps in total (0: all epochs)")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
 
@@ -49,28 +50,32 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(args.seed)
     train_set, source = load(train=True)
-    loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True)
+    loader = DataLoader(train_set, batch_size=args.global_batch, shuffle=True)
 
     model = build_model(args.model).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
-    print(f"one process, data: {source}, batch {args.batch_size}")
+    print(f"one process, data: {source}, global batch {args.global_batch}")
 
-    steps_per_epoch = min(len(loader), args.steps or len(loader))
-    step, started = 0, time.perf_counter()
+    total_steps = min(args.steps or args.epochs * len(loader), args.epochs * len(loader))
+    step, train_seconds, accuracy = 0, 0.0, float("nan")
     for epoch in range(args.epochs):
-        for images, labels in itertools.islice(loader, steps_per_epoch):
+        started = time.perf_counter()
+        for images, labels in itertools.islice(loader, total_steps - step):
             loss = nn.functional.cross_entropy(model(images.to(device)), labels.to(device))
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
             report(step=step, loss=loss.item(), epoch=epoch)
             step += 1
-            progress(step, total=args.epochs * steps_per_epoch)
+            progress(step, total=total_steps)
+        train_seconds += time.perf_counter() - started
         accuracy = evaluate(model, device)
         print(f"epoch {epoch}: last loss {loss.item():.3f}, test accuracy {accuracy:.3f}")
+        if step == total_steps:
+            break
 
-    result(checksum=parameter_checksum(model), steps=step, data=source,
-           train_seconds=time.perf_counter() - started, accuracy=accuracy)
+    result(checksum=parameter_checksum(model), steps=step, data=source, train_seconds=train_seconds,
+           accuracy=accuracy)
 
 
 if __name__ == "__main__":

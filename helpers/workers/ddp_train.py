@@ -6,7 +6,9 @@
 
 torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and a free MASTER_PORT, so nothing is
 hard-coded. The backend follows the hardware: nccl with one GPU per rank, gloo on CPU.
---batch-size is per rank: the global batch is world_size times larger. Only rank 0 prints.
+--global-batch is what one optimizer step sees, all ranks together: each rank takes
+global_batch / world_size, so any number of ranks trains the same thing with the same --lr.
+train_seconds times the training steps only, not start-up and not the evaluation. Only rank 0 prints.
 """
 import argparse
 import itertools
@@ -30,10 +32,10 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["simple", "cnn"], default="simple")
     parser.add_argument("--epochs", type=int, default=5)
-    parser.add_argument("--batch-size", type=int, default=32, help="per rank")
+    parser.add_argument("--global-batch", type=int, default=64, help="samples per optimizer step, all ranks")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--momentum", type=float, default=0.9)
-    parser.add_argument("--steps", type=int, default=0, help="stop each epoch after this many steps (0: all)")
+    parser.add_argument("--steps", type=int, default=0, help="stop after this many steps in total (0: all epochs)")
     parser.add_argument("--checkpoint", default="", help="save here every epoch; resume from it if present")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
@@ -72,49 +74,55 @@ def evaluate(model: nn.Module, device: torch.device, rank: int, world_size: int)
 def main() -> None:
     args = parse_args()
     rank, world_size, device = init_distributed()
+    if args.global_batch % world_size:
+        raise SystemExit(f"--global-batch {args.global_batch} does not split evenly over {world_size} ranks")
+    per_rank_batch = args.global_batch // world_size
     torch.manual_seed(args.seed)
     train_set, source = load(train=True)
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
-    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
+    loader = DataLoader(train_set, batch_size=per_rank_batch, sampler=sampler)
 
     model = DDP(build_model(args.model).to(device))  # DDP broadcasts rank 0's weights to every rank
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
-    start_epoch = 0
+    start_epoch, step = 0, 0
     checkpoint = Path(args.checkpoint) if args.checkpoint else None
     if checkpoint and checkpoint.exists():  # every rank reads the same file onto its own device
         state = torch.load(checkpoint, weights_only=True, map_location=device)
         model.module.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        start_epoch = state["epoch"] + 1
+        start_epoch, step = state["epoch"] + 1, state["step"]
     if rank == 0:
         print(f"{world_size} rank(s), backend {dist.get_backend()}, data: {source}, "
-              f"global batch {args.batch_size * world_size}, starting at epoch {start_epoch}")
+              f"global batch {args.global_batch} = {world_size} x {per_rank_batch}, starting at epoch {start_epoch}")
 
-    steps_per_epoch = min(len(loader), args.steps or len(loader))
-    step, started = start_epoch * steps_per_epoch, time.perf_counter()
+    total_steps = min(args.steps or args.epochs * len(loader), args.epochs * len(loader))
+    train_seconds, accuracy = 0.0, float("nan")
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)  # a new shuffle every epoch, the same one on every rank
-        for images, labels in itertools.islice(loader, steps_per_epoch):
+        started = time.perf_counter()
+        for images, labels in itertools.islice(loader, total_steps - step):
             loss = nn.functional.cross_entropy(model(images.to(device)), labels.to(device))
             optimizer.zero_grad()
             loss.backward()  # DDP averages the gradients over all ranks here
             optimizer.step()
             report(step=step, loss=loss.item(), epoch=epoch)
             step += 1
-            progress(step, total=args.epochs * steps_per_epoch)
+            progress(step, total=total_steps)
+        train_seconds += time.perf_counter() - started
         accuracy = evaluate(model, device, rank, world_size)
         if rank == 0:
             print(f"epoch {epoch}: last loss {loss.item():.3f}, test accuracy {accuracy:.3f}")
         if checkpoint and rank == 0:  # one writer; the others wait at the barrier
             checkpoint.parent.mkdir(parents=True, exist_ok=True)
             torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
-                        "epoch": epoch}, checkpoint)
+                        "epoch": epoch, "step": step}, checkpoint)
         if checkpoint:
             dist.barrier()  # nobody reads or resumes before the file is complete
+        if step == total_steps:
+            break
 
     result(checksum=parameter_checksum(model), steps=step, world_size=world_size, data=source,
-           train_seconds=time.perf_counter() - started,
-           accuracy=evaluate(model, device, rank, world_size))
+           train_seconds=train_seconds, accuracy=accuracy)
     dist.destroy_process_group()
 
 
