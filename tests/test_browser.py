@@ -1,0 +1,268 @@
+"""The lessons as a learner meets them: JupyterLab in a real (headless) Chromium.
+
+    pytest tests/test_browser.py             # smoke set (lesson 00, live output, interrupt, restart): ~2 min
+    pytest -m slow tests/test_browser.py     # Run All of every lesson, from blank copies (.ci/run does this)
+
+Needs Chromium from the system's packages (`apt-get install chromium`) and the `playwright` Python
+package, which drives it through `executable_path` (no browser download). Without them every test here
+is skipped with one line saying why. JupyterLab runs with `--LabApp.expose_app_in_browser=True`, so
+the tests call the same commands a learner clicks (`notebook:run-all-cells`, `notebook:interrupt-kernel`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+
+from helpers import workshop
+
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM = os.environ.get("LESSONS_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+playwright = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium found (apt-get install chromium)")
+LESSONS = sorted(p.name for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+BUDGET_SECONDS = 360  # one lesson's Run All; nbval's budget is about 3 minutes on a quiet 2-core machine
+TICKER = ROOT / "tests" / "workers" / "ticker.py"
+WHOAMI = ROOT / "helpers" / "workers" / "whoami.py"
+TOKEN = "lessons-browser-test"
+CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-sync",
+                  "--disable-background-networking", "--disable-component-update"]
+
+CELLS_JS = """() => {
+  const panel = window.jupyterapp.shell.currentWidget;
+  const kernel = panel.sessionContext.session && panel.sessionContext.session.kernel;
+  const cells = [];
+  for (const cell of panel.content.model.cells) {
+    if (cell.type !== 'code') { continue; }
+    cells.push({count: cell.executionCount, tags: cell.getMetadata('tags') || [],
+                source: cell.sharedModel.getSource().slice(0, 80),
+                outputs: cell.outputs.toJSON()});
+  }
+  return {status: kernel ? kernel.status : 'none', running: panel.content.widgets.filter(
+            w => w.model.type === 'code' && w.promptNode && w.promptNode.textContent.includes('*')).length,
+          cells};
+}"""
+
+
+def _notebook(cells: list[str]) -> dict:
+    return {"cells": [{"cell_type": "code", "metadata": {}, "source": [source], "outputs": [],
+                       "execution_count": None} for source in cells],
+            "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
+            "nbformat": 4, "nbformat_minor": 5}
+
+
+@pytest.fixture(scope="module")
+def lab_root(tmp_path_factory) -> Path:
+    """Blank copies of every lesson (outputs cleared) beside the helpers they import, as a learner clones them."""
+    root = tmp_path_factory.mktemp("lab")
+    workshop.write_copy(root, student=False, clear_outputs=True)
+    scratch = [
+        f"from helpers import launch\nrun = launch({str(TICKER)!r}, nproc=2, args=['--seconds', '60'])",
+        f"run = launch({str(WHOAMI)!r}, nproc=2)\nprint('whoami ranks', sorted(run.results))",
+    ]
+    (root / "notebooks" / "scratch.ipynb").write_text(json.dumps(_notebook(scratch)))
+    return root
+
+
+@pytest.fixture(scope="module")
+def lab(lab_root):
+    """A JupyterLab server on a free loopback port; stopped (kernels and all) after the module."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log = open(lab_root / "lab.log", "w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
+         f"--ServerApp.token={TOKEN}", f"--ServerApp.root_dir={lab_root}", "--LabApp.expose_app_in_browser=True",
+         "--allow-root"], stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "LESSONS_DATA": "digits"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(f"{url}/api/status?token={TOKEN}", timeout=2)
+            break
+        except OSError:
+            time.sleep(0.3)
+    else:
+        server.kill()
+        pytest.fail(f"JupyterLab did not start in 60 s; see {lab_root / 'lab.log'}")
+    yield url, psutil.Process(server.pid)
+    server.terminate()
+    server.wait(timeout=30)
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with playwright.sync_playwright() as driver:
+        chromium = driver.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
+        yield chromium
+        chromium.close()
+
+
+def _kernel_processes(server: psutil.Process) -> list[psutil.Process]:
+    return [p for p in server.children() if "ipykernel" in " ".join(p.cmdline())]
+
+
+def _open(browser, lab, name: str):
+    """A new page with notebook `name` open and its kernel idle."""
+    url, _ = lab
+    page = browser.new_page()
+    page.goto(f"{url}/lab/tree/notebooks/{name}?token={TOKEN}")
+    page.wait_for_function("""() => { const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;
+        return w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel
+               && w.sessionContext.session.kernel.status === 'idle'; }""", timeout=120_000)
+    return page
+
+
+def _close(page, lab) -> None:
+    """Shut the notebook's kernel down (as File > Close and Shut Down does) and close the page."""
+    page.evaluate("() => window.jupyterapp.shell.currentWidget.sessionContext.shutdown()")
+    page.close()
+    _, server = lab
+    deadline = time.monotonic() + 30
+    while _kernel_processes(server) and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+def _command(page, command: str) -> None:
+    """Start a JupyterLab command as a click would, without waiting for it to finish."""
+    page.evaluate(f"() => {{ window.jupyterapp.commands.execute({command!r}); }}")
+
+
+def _state(page) -> dict:
+    return page.evaluate(CELLS_JS)
+
+
+def _wait(page, condition, timeout: float, what: str) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = _state(page)
+        if condition(state):
+            return state
+        time.sleep(0.5)
+    raise AssertionError(f"{what}: not within {timeout:.0f} s; last state {json.dumps(state)[:2000]}")
+
+
+def _text(outputs: list[dict]) -> str:
+    parts = []
+    for output in outputs:
+        if output["output_type"] == "stream":
+            parts.append(output["text"] if isinstance(output["text"], str) else "".join(output["text"]))
+        elif output["output_type"] == "error":
+            parts.append("\n".join(output["traceback"]))
+        else:
+            text = output.get("data", {}).get("text/plain", "")
+            parts.append(text if isinstance(text, str) else "".join(text))
+    return "".join(parts)
+
+
+def _job_processes(server: psutil.Process) -> set[int]:
+    """Agents and workers under the notebook's kernel: every descendant but the launch server itself."""
+    pids = set()
+    for kernel in _kernel_processes(server):
+        for process in kernel.children(recursive=True):
+            try:
+                if "helpers._server" not in " ".join(process.cmdline()) or process.ppid() != kernel.pid:
+                    pids.add(process.pid)
+            except psutil.Error:
+                pass
+    return pids
+
+
+def _descendants_alive(pids: set[int]) -> list[str]:
+    alive = []
+    for pid in pids:
+        try:
+            process = psutil.Process(pid)
+            if process.status() != psutil.STATUS_ZOMBIE:
+                alive.append(f"{pid} {' '.join(process.cmdline())[:100]}")
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def run_all(browser, lab, name: str) -> float:
+    """Run All in JupyterLab; every code cell must run, no error outside `raises-exception` cells."""
+    page = _open(browser, lab, name)
+    started = time.monotonic()
+    _command(page, "notebook:run-all-cells")
+    try:
+        state = _wait(page, lambda s: s["status"] == "idle" and all(c["count"] for c in s["cells"]),
+                      BUDGET_SECONDS, f"{name}: Run All did not reach every cell")
+    finally:
+        seconds = time.monotonic() - started
+        _close(page, lab)
+    unexpected = [(c["source"], o["ename"], o["evalue"][:200]) for c in state["cells"] for o in c["outputs"]
+                  if o["output_type"] == "error" and "raises-exception" not in c["tags"]]
+    assert not unexpected, f"{name}: errors in cells that should not raise: {unexpected}"
+    return seconds
+
+
+def test_run_all_lesson_00(browser, lab):
+    seconds = run_all(browser, lab, LESSONS[0])
+    print(f"\n{LESSONS[0]}: Run All took {seconds:.0f} s in JupyterLab")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", LESSONS[1:])
+def test_run_all_lesson(browser, lab, name):
+    seconds = run_all(browser, lab, name)
+    print(f"\n{name}: Run All took {seconds:.0f} s in JupyterLab")
+
+
+def test_live_output_interrupt_and_next_launch(browser, lab):
+    page = _open(browser, lab, "scratch.ipynb")
+    _, server = lab
+    try:
+        _command(page, "notebook:run-cell")
+        # live: rank-labelled ticks appear while the cell is still running (a buffered launcher shows none)
+        state = _wait(page, lambda s: "tick 3 from rank 1" in _text(s["cells"][0]["outputs"]), 90,
+                      "live rank output while the cell runs")
+        assert not state["cells"][0]["count"], "the cell should still be running"
+        kernel_tree = {p.pid for k in _kernel_processes(server) for p in k.children(recursive=True)}
+        workers = _job_processes(server)
+        assert len(workers) >= 3, "an agent and two ticker workers should be running now"
+        _command(page, "notebook:interrupt-kernel")
+        state = _wait(page, lambda s: s["cells"][0]["count"], 30, "the cell ends after an interrupt")
+        errors = [o for o in state["cells"][0]["outputs"] if o["output_type"] == "error"]
+        assert errors, "the interrupted cell should end in an error the learner sees"
+        traceback = "\n".join(errors[0]["traceback"])
+        assert "helpers/launch.py" not in traceback and "helpers/_" not in traceback, traceback
+        assert len(traceback.splitlines()) < 40, f"a wall of text for an interrupt:\n{traceback}"
+        time.sleep(1)
+        assert not _descendants_alive(workers), f"survived the interrupt: {_descendants_alive(workers)}"
+        # the same kernel launches again
+        page.evaluate("() => { window.jupyterapp.shell.currentWidget.content.activeCellIndex = 1; }")
+        _command(page, "notebook:run-cell")
+        state = _wait(page, lambda s: s["cells"][1]["count"], 90, "the next launch")
+        assert "whoami ranks [0, 1]" in _text(state["cells"][1]["outputs"]), state["cells"][1]["outputs"]
+    finally:
+        _close(page, lab)
+    assert not [p for p in _descendants_alive(kernel_tree) if "ipykernel" not in p]
+
+
+def test_kernel_restart_during_a_launch_leaves_nothing(browser, lab):
+    page = _open(browser, lab, "scratch.ipynb")
+    _, server = lab
+    try:
+        _command(page, "notebook:run-cell")
+        _wait(page, lambda s: "tick 2 from rank 0" in _text(s["cells"][0]["outputs"]), 90, "ticks before restart")
+        tree = {p.pid for k in _kernel_processes(server) for p in [k, *k.children(recursive=True)]}
+        assert len(tree) >= 4, "kernel, launch server, agent and workers should be alive"
+        page.evaluate("() => { window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.restart(); }")
+        deadline = time.monotonic() + 15
+        while _descendants_alive(tree) and time.monotonic() < deadline:
+            time.sleep(0.3)
+        assert not _descendants_alive(tree), f"left running after a kernel restart: {_descendants_alive(tree)}"
+    finally:
+        _close(page, lab)
