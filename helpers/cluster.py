@@ -1,25 +1,46 @@
-"""Describe a multi-node torchrun job to a cluster: a SLURM batch script and Kubernetes manifests.
+"""Describe a multi-node torchrun job to a cluster: a SLURM script, the image, Kubernetes manifests.
 
-    from helpers.cluster import JobSize, slurm_script, check_slurm_script, pytorch_job, validate
+    from helpers.cluster import JobSize, slurm_script, check_slurm_script, pytorch_job, train_job, write_job_files
     size = JobSize(nodes=2, gpus_per_node=4)
     print(slurm_script("train.py", size, args=["--checkpoint", "/shared/ckpt.pt"]))
     validate(indexed_job(...)["job"], "V1Job")        # the Kubernetes schema, no cluster needed
+    validate_pytorch_job(pytorch_job(...))             # Training Operator v1's own models (kubeflow-training)
+    validate_train_job(train_job(...))                 # Kubeflow Trainer v2's own models (kubeflow-trainer-api)
+    write_job_files("runs/cluster", "train.py", size)  # all of them and the Dockerfile, in one folder
 
-Taught in lesson 06. Every generator returns plain text or plain dicts (YAML-ready); the checks
-use real parsers: torchrun's own argument parser and `bash -n` for SLURM, and the `kubernetes`
-client's models (the API's schema, generated from its OpenAPI spec) for manifests.
-GPU sharing follows HAMi: `nvidia.com/gpu` (virtual GPUs), `nvidia.com/gpumem` (MiB of device
-memory each), `nvidia.com/gpucores` (percent of the GPU's cores each), scheduler `hami-scheduler`.
+Taught in lesson 06. Every generator returns plain text or plain dicts (YAML-ready). The checks use real
+parsers and the projects' own models: torchrun's argument parser and `bash -n` for SLURM; the `kubernetes`
+client's models (generated from the API's OpenAPI spec) for core resources; `kubeflow.training.models` for
+PyTorchJob and `kubeflow_trainer_api.models` for TrainJob. A round trip through the model and back catches
+misspelled fields, which the models would otherwise drop silently.
+
+GPU sharing follows HAMi: `nvidia.com/gpu` (virtual GPUs), `nvidia.com/gpumem` (MiB of device memory each),
+`nvidia.com/gpucores` (percent of one GPU's cores each), scheduler `hami-scheduler`: the defaults of HAMi's
+chart (charts/hami/values.yaml). With Volcano, HAMi's volcano-vgpu-device-plugin uses `volcano.sh/vgpu-number`,
+`volcano.sh/vgpu-memory` and `volcano.sh/vgpu-cores`, and Volcano's scheduler places the pods.
 """
 from __future__ import annotations
 
+import re
 import shlex
 import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+REPO_ROOT = Path(__file__).resolve().parent.parent
 RENDEZVOUS_PORT = 29500
 HAMI_SCHEDULER = "hami-scheduler"
+VOLCANO_SCHEDULER = "volcano"
+HAMI_NAMES = {"count": "nvidia.com/gpu", "memory": "nvidia.com/gpumem", "cores": "nvidia.com/gpucores"}
+VOLCANO_VGPU_NAMES = {"count": "volcano.sh/vgpu-number", "memory": "volcano.sh/vgpu-memory",
+                      "cores": "volcano.sh/vgpu-cores"}
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+PYTORCHJOB_CONTAINER = "pytorch"  # the container the training operator configures (kubeflow.training.constants)
+PYTORCHJOB_PORT_NAME = "pytorchjob-port"  # the port it reads MASTER_PORT from (PytorchJobDefaultPortName)
+TRAINER_RUNTIME, TRAINER_JOB, TRAINER_CONTAINER = "torch-distributed", "node", "node"  # Trainer v2's torch runtime
+TRAINER_PATCH_MANAGER = "lessons.example.com/job-files"  # who owns our runtime patch (any unique name)
+_BASE_RESOURCES = {"cpu", "memory", "ephemeral-storage"}
 
 
 @dataclass(frozen=True)
@@ -37,6 +58,10 @@ class JobSize:
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
 
+    @property
+    def shares_gpus(self) -> bool:
+        return self.gpu_memory_mib is not None or self.gpu_cores_percent is not None
+
 
 def torchrun_command(script: str, size: JobSize, endpoint: str, job_id: str,
                      args: tuple | list = ()) -> list[str]:
@@ -50,7 +75,11 @@ def torchrun_command(script: str, size: JobSize, endpoint: str, job_id: str,
 
 def slurm_script(script: str, size: JobSize, args: tuple | list = (), job_name: str = "ddp-train",
                  time_limit: str = "01:00:00") -> str:
-    """A batch script for `sbatch`: one torchrun agent per node (srun), agents meet at the first node."""
+    """A batch script for `sbatch`: one torchrun agent per node (srun), agents meet at the first node.
+
+    Since Slurm 22.05, srun no longer inherits --cpus-per-task from the allocation: without passing it on,
+    each agent (and so all of its workers) would be confined to one core.
+    """
     command = torchrun_command(script, size, f"$HEAD_NODE:{RENDEZVOUS_PORT}", "$SLURM_JOB_ID", args)
     quoted = " ".join(word if word.startswith("--rdzv") else shlex.quote(word) for word in command)
     return "\n".join([
@@ -65,135 +94,331 @@ def slurm_script(script: str, size: JobSize, args: tuple | list = (), job_name: 
         "set -euo pipefail",
         'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         f"export OMP_NUM_THREADS={size.cpus_per_process}",
-        f"srun {quoted}",
+        f"srun --cpus-per-task=$SLURM_CPUS_PER_TASK {quoted}",
         "",
     ])
 
 
 def check_slurm_script(text: str) -> list[str]:
-    """Parse the script as SLURM and torchrun would; return the torchrun arguments it passes."""
+    """Parse the script as bash, SLURM and torchrun would; return the torchrun arguments it passes.
+
+    Also checks the CPU arithmetic: srun passes --cpus-per-task on to the agent, and the threads of all of
+    a node's workers (OMP_NUM_THREADS x --nproc-per-node) fit in it.
+    """
     from torch.distributed.run import get_args_parser
 
     known = {"job-name", "nodes", "ntasks-per-node", "gpus-per-node", "cpus-per-task", "time", "output"}
+    sbatch = {}
     for line in text.splitlines():
         if line.startswith("#SBATCH"):
-            option = line.split()[1].lstrip("-").split("=")[0]
+            option, _, value = line.split()[1].lstrip("-").partition("=")
             if option not in known:
                 raise ValueError(f"unexpected #SBATCH option {option!r} in: {line}")
+            sbatch[option] = value
     syntax = subprocess.run(["bash", "-n"], check=False, input=text, capture_output=True, text=True)
     if syntax.returncode != 0:
         raise ValueError(f"bash rejects the script: {syntax.stderr.strip()}")
-    srun = next((line for line in text.splitlines() if line.startswith("srun torchrun ")), None)
-    if srun is None:
-        raise ValueError("the script has no `srun torchrun ...` line")
-    arguments = shlex.split(srun)[2:]
+    srun = next((line for line in text.splitlines() if line.startswith("srun ")), None)
+    if srun is None or " torchrun " not in f" {srun} ":
+        raise ValueError("the script has no `srun ... torchrun ...` line")
+    words = shlex.split(srun)
+    srun_options, arguments = words[1:words.index("torchrun")], words[words.index("torchrun") + 1:]
+    inherits = re.search(r"^export SRUN_CPUS_PER_TASK=\$SLURM_CPUS_PER_TASK$", text, re.MULTILINE)
+    if "--cpus-per-task=$SLURM_CPUS_PER_TASK" not in srun_options and not inherits:
+        raise ValueError("srun does not pass --cpus-per-task on (Slurm >= 22.05 does not inherit it): "
+                         "every agent and its workers would share one core")
     try:
-        get_args_parser().parse_args(arguments)  # torchrun's own parser
+        parsed = get_args_parser().parse_args(arguments)  # torchrun's own parser
     except SystemExit:
         raise ValueError(f"torchrun rejects its arguments: {' '.join(arguments)}") from None
+    threads = re.search(r"^export OMP_NUM_THREADS=(\d+)$", text, re.MULTILINE)
+    if threads and int(threads[1]) * int(parsed.nproc_per_node) > int(sbatch.get("cpus-per-task", 1)):
+        raise ValueError(f"OMP_NUM_THREADS={threads[1]} x {parsed.nproc_per_node} processes oversubscribe "
+                         f"--cpus-per-task={sbatch.get('cpus-per-task', 1)}")
     return arguments
 
 
-# ---------------------------------------------------------------------------- Kubernetes
+# ---------------------------------------------------------------------------- the image
 
-def _resources(size: JobSize) -> dict[str, dict[str, str]]:
-    """GPU requests as HAMi reads them; quantities are strings, as the API wants them."""
-    limits = {"nvidia.com/gpu": str(size.gpus_per_node)}
+def pinned(package: str, requirements: Path = REPO_ROOT / "requirements.txt") -> str:
+    """The exact version requirements.txt pins for `package` (the lessons' one source of versions)."""
+    for line in requirements.read_text().splitlines():
+        name, _, version = line.partition("==")
+        if name.strip().lower() == package.lower():
+            return version.strip()
+    raise KeyError(f"{package} is not pinned in {requirements.name}")
+
+
+def dockerfile() -> str:
+    """A minimal image with this repository's code and the lessons' torch. Build it from the repository root:
+    `docker build -f runs/cluster/Dockerfile -t REGISTRY/ddp-train:TAG .` and push it where the cluster pulls.
+    PyPI's Linux torch wheels bring their CUDA libraries; the nodes need only the NVIDIA driver."""
+    return "\n".join([
+        "# The code must be in the image: the manifests run helpers/workers/... inside it.",
+        "FROM python:3.11-slim",
+        "WORKDIR /workspace",
+        f"RUN pip install --no-cache-dir torch=={pinned('torch')} numpy=={pinned('numpy')}",
+        "COPY pyproject.toml ./",
+        "COPY helpers/ helpers/",
+        "RUN pip install --no-cache-dir --no-deps .",
+        "",
+    ])
+
+
+def image_name(registry: str = "registry.example.com/lessons") -> str:
+    return f"{registry}/ddp-train:torch-{pinned('torch')}"
+
+
+# ---------------------------------------------------------------------------- Kubernetes pods
+
+def _gpu_names(gang: str | None) -> dict[str, str]:
+    return VOLCANO_VGPU_NAMES if gang == "volcano" else HAMI_NAMES
+
+
+def _resources(size: JobSize, gang: str | None = None) -> dict[str, dict[str, str]]:
+    """GPU requests as HAMi reads them (limits); quantities are strings, as the API wants them."""
+    names = _gpu_names(gang) if size.shares_gpus else HAMI_NAMES
+    limits = {names["count"]: str(size.gpus_per_node)}
     if size.gpu_memory_mib is not None:
-        limits["nvidia.com/gpumem"] = str(size.gpu_memory_mib)
+        limits[names["memory"]] = str(size.gpu_memory_mib)
     if size.gpu_cores_percent is not None:
-        limits["nvidia.com/gpucores"] = str(size.gpu_cores_percent)
+        limits[names["cores"]] = str(size.gpu_cores_percent)
     cpus = str(size.cpus_per_process * size.gpus_per_node)
     return {"limits": {**limits, "cpu": cpus}, "requests": {"cpu": cpus}}
 
 
-def _pod_spec(container: dict, size: JobSize, restart_policy: str) -> dict:
+def _scheduler(size: JobSize, gang: str | None) -> str | None:
+    if gang == "volcano":
+        return VOLCANO_SCHEDULER  # gang scheduling, and (with HAMi's plugin) GPU shares too
+    return HAMI_SCHEDULER if size.shares_gpus else None  # None: the default scheduler
+
+
+def _container(name: str, command: list[str], image: str, size: JobSize, gang: str | None,
+               port_name: str) -> dict:
+    return {"name": name, "image": image, "command": list(command),
+            "ports": [{"name": port_name, "containerPort": RENDEZVOUS_PORT}],
+            "resources": _resources(size, gang),
+            "volumeMounts": [{"name": "checkpoints", "mountPath": "/checkpoints"}]}
+
+
+def _pod_spec(container: dict, size: JobSize, restart_policy: str, gang: str | None) -> dict:
     spec = {"restartPolicy": restart_policy, "containers": [container],
             "volumes": [{"name": "checkpoints", "persistentVolumeClaim": {"claimName": "checkpoints"}}]}
-    if size.gpu_memory_mib is not None or size.gpu_cores_percent is not None:
-        spec["schedulerName"] = HAMI_SCHEDULER  # the scheduler that knows GPU shares
+    scheduler = _scheduler(size, gang)
+    if scheduler:
+        spec["schedulerName"] = scheduler
     return spec
 
 
-def _container(command: list[str], image: str, size: JobSize, env: list[dict] | None = None) -> dict:
-    container = {"name": "pytorch", "image": image, "command": list(command),
-                 "ports": [{"name": "rendezvous", "containerPort": RENDEZVOUS_PORT}],
-                 "resources": _resources(size),
-                 "volumeMounts": [{"name": "checkpoints", "mountPath": "/checkpoints"}]}
-    if env:
-        container["env"] = env
-    return container
+def _metadata(name: str, gang: str | None, queue: str) -> dict:
+    if gang not in (None, "volcano", "kueue"):
+        raise ValueError(f"gang must be None, 'volcano' or 'kueue', got {gang!r}")
+    metadata = {"name": name}
+    if gang == "kueue":  # Kueue admits the whole job at once, when its LocalQueue has quota for every pod
+        metadata["labels"] = {KUEUE_QUEUE_LABEL: queue}
+    return metadata
 
 
-def pytorch_job(name: str, image: str, script: str, size: JobSize, args: tuple | list = ()) -> dict:
-    """A Kubeflow PyTorchJob (kubeflow.org/v1). The training operator sets PET_NNODES,
-    PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR and PET_MASTER_PORT in every pod, and
-    torchrun reads any option it is not given from PET_<OPTION>: the command stays short."""
+# ---------------------------------------------------------------------------- Kubernetes jobs
+
+def pytorch_job(name: str, image: str, script: str, size: JobSize, args: tuple | list = (),
+                gang: str | None = None, queue: str = "default") -> dict:
+    """A Kubeflow Training Operator v1 PyTorchJob (kubeflow.org/v1; legacy since Kubeflow Trainer v2).
+
+    The operator sets PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR and PET_MASTER_PORT
+    (and MASTER_ADDR/MASTER_PORT) in every pod; torchrun reads any option it is not given from PET_<OPTION>.
+    MASTER_PORT comes from the port named `pytorchjob-port` on the container named `pytorch`.
+    gang="volcano": runPolicy.schedulingPolicy (a Volcano PodGroup with minAvailable = nodes);
+    gang="kueue": the queue label on the job.
+    """
     command = ["torchrun", f"--max-restarts={size.max_restarts}", script, *map(str, args)]
+
     def replica(count: int) -> dict:
-        pod = _pod_spec(_container(command, image, size), size, "OnFailure")
+        container = _container(PYTORCHJOB_CONTAINER, command, image, size, gang, PYTORCHJOB_PORT_NAME)
+        pod = _pod_spec(container, size, "OnFailure", gang)
         return {"replicas": count, "restartPolicy": "OnFailure", "template": {"spec": pod}}
 
     replicas = {"Master": replica(1)}
     if size.nodes > 1:
         replicas["Worker"] = replica(size.nodes - 1)
-    return {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": name},
-            "spec": {"nprocPerNode": str(size.gpus_per_node), "pytorchReplicaSpecs": replicas}}
+    # runPolicy is required by the operator's schema; backoffLimit: pod restarts before the job is failed
+    spec: dict[str, Any] = {"nprocPerNode": str(size.gpus_per_node), "pytorchReplicaSpecs": replicas,
+                            "runPolicy": {"backoffLimit": size.max_restarts}}
+    if gang == "volcano":
+        spec["runPolicy"]["schedulingPolicy"] = {"minAvailable": size.nodes, "queue": queue}
+    return {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": _metadata(name, gang, queue),
+            "spec": spec}
 
 
-def indexed_job(name: str, image: str, script: str, size: JobSize, args: tuple | list = ()) -> dict:
-    """Plain Kubernetes: an Indexed Job (one pod per node) plus a headless Service that gives
-    pod 0 a stable DNS name, `<name>-0.<name>`, used as the rendezvous endpoint."""
+def train_job(name: str, image: str, script: str, size: JobSize, args: tuple | list = (),
+              gang: str | None = None, queue: str = "default") -> dict:
+    """A Kubeflow Trainer v2 TrainJob (trainer.kubeflow.org/v1alpha1) on the `torch-distributed` runtime.
+
+    The runtime (a ClusterTrainingRuntime the cluster admin installs) holds the JobSet template and sets
+    the PET_* variables; the TrainJob says what differs: image, command, nodes, resources, and a runtime
+    patch that mounts the checkpoint volume. Gang scheduling with Volcano or the coscheduling plugin is the
+    runtime's podGroupPolicy, not the TrainJob's; gang="kueue" adds the queue label.
+    """
+    if gang == "volcano":
+        raise ValueError("a TrainJob gets Volcano gang scheduling from its runtime's podGroupPolicy; "
+                         "use a runtime that sets it, or gang='kueue'")
+    pod_patch = {"volumes": [{"name": "checkpoints", "persistentVolumeClaim": {"claimName": "checkpoints"}}],
+                 "containers": [{"name": TRAINER_CONTAINER,
+                                 "volumeMounts": [{"name": "checkpoints", "mountPath": "/checkpoints"}]}]}
+    patch = {"manager": TRAINER_PATCH_MANAGER, "trainingRuntimeSpec": {"template": {"spec": {"replicatedJobs": [
+        {"name": TRAINER_JOB, "template": {"spec": {"template": {"spec": pod_patch}}}}]}}}}
+    trainer = {"image": image,
+               "command": ["torchrun", f"--max-restarts={size.max_restarts}", script, *map(str, args)],
+               "numNodes": size.nodes, "numProcPerNode": size.gpus_per_node,
+               "resourcesPerNode": _resources(size, gang)}
+    return {"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob",
+            "metadata": _metadata(name, gang, queue),
+            "spec": {"runtimeRef": {"name": TRAINER_RUNTIME}, "trainer": trainer, "runtimePatches": [patch]}}
+
+
+def indexed_job(name: str, image: str, script: str, size: JobSize, args: tuple | list = (),
+                gang: str | None = None, queue: str = "default") -> dict:
+    """Plain Kubernetes: an Indexed Job (one pod per node) plus a headless Service that gives pod 0 a
+    stable DNS name, `<name>-0.<name>`: the rendezvous endpoint, hosted by pod 0's torchrun agent.
+
+    publishNotReadyAddresses: the Service publishes pod DNS records before the pods are Ready, so the
+    agents can find pod 0 while they all start. gang="kueue": the queue label (Volcano would need a
+    PodGroup of its own: use a PyTorchJob for that).
+    """
+    if gang == "volcano":
+        raise ValueError("an Indexed Job needs a separate Volcano PodGroup; use gang='kueue' or a PyTorchJob")
     endpoint = f"{name}-0.{name}:{RENDEZVOUS_PORT}"
     command = torchrun_command(script, size, endpoint, name, args)
-    pod = _pod_spec(_container(command, image, size), size, "Never")
+    pod = _pod_spec(_container(PYTORCHJOB_CONTAINER, command, image, size, gang, "c10d"), size, "Never", gang)
     pod["subdomain"] = name  # pod DNS names live under the headless Service
-    job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name},
+    job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": _metadata(name, gang, queue),
            "spec": {"completionMode": "Indexed", "completions": size.nodes, "parallelism": size.nodes,
                     "backoffLimit": size.max_restarts,
                     "template": {"metadata": {"labels": {"job-name": name}}, "spec": pod}}}
     service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name},
-               "spec": {"clusterIP": "None", "selector": {"job-name": name},
-                        "ports": [{"name": "rendezvous", "port": RENDEZVOUS_PORT}]}}
+               "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": {"job-name": name},
+                        "ports": [{"name": "c10d", "port": RENDEZVOUS_PORT}]}}
     return {"job": job, "service": service}
 
+
+def write_job_files(folder: str | Path, script: str, size: JobSize, args: tuple | list = (),
+                    name: str = "ddp-train", image: str | None = None) -> list[Path]:
+    """Write the Dockerfile, the SLURM script and every manifest into `folder`; return their paths."""
+    import yaml
+
+    image = image or image_name()
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    plain = indexed_job(name, image, script, size, args)
+    texts = {"Dockerfile": dockerfile(), "job.sbatch": slurm_script(script, size, args, job_name=name),
+             "pytorchjob.yaml": yaml.safe_dump(pytorch_job(name, image, script, size, args), sort_keys=False),
+             "trainjob.yaml": yaml.safe_dump(train_job(name, image, script, size, args), sort_keys=False),
+             "indexed-job.yaml": yaml.safe_dump_all([plain["service"], plain["job"]], sort_keys=False)}
+    for file_name, text in texts.items():
+        (folder / file_name).write_text(text)
+    return [folder / file_name for file_name in texts]
+
+
+# ---------------------------------------------------------------------------- validation
 
 def validate(manifest: dict, model: str) -> Any:
     """Check `manifest` against the Kubernetes API schema (e.g. model="V1Job"); return the model.
 
-    The kubernetes client deserializes into typed models, which rejects missing required fields
-    and wrong types; serializing back and comparing catches fields the schema does not know
-    (a misspelled `restartPolcy` would otherwise vanish silently).
+    The kubernetes client deserializes into typed models, which rejects missing required fields and wrong
+    types; serializing back and comparing catches fields the schema does not know (a misspelled
+    `restartPolcy` would otherwise vanish silently). Pod templates also get check_gpu_resources.
     """
     from kubernetes.client import ApiClient
 
-    client = ApiClient()
-    try:
-        typed = client._ApiClient__deserialize(manifest, model)
-    except (ValueError, TypeError) as error:
-        raise ValueError(f"{model}: {error}") from None
-    back = client.sanitize_for_serialization(typed)
-    problems = _differences(manifest, back, model)
-    if problems:
-        raise ValueError(f"{model} does not match the Kubernetes schema:\n  " + "\n  ".join(problems))
+    typed = _round_trip(ApiClient(), manifest, model)
+    for pod in _pod_specs(manifest):
+        check_gpu_resources(pod)
     return typed
 
 
 def validate_pytorch_job(manifest: dict) -> int:
-    """A PyTorchJob is a custom resource (no model in the client): check its shape and every pod
-    template against V1PodTemplateSpec. Returns the number of templates checked."""
+    """Check a PyTorchJob with the Training Operator's own models (kubeflow.training.models, generated from
+    its CRD), and what the operator relies on: one Master, the `pytorch` container, its `pytorchjob-port`.
+    Returns the number of replica templates checked."""
+    from kubeflow.training.api_client import ApiClient
+
     if manifest.get("apiVersion") != "kubeflow.org/v1" or manifest.get("kind") != "PyTorchJob":
         raise ValueError("not a kubeflow.org/v1 PyTorchJob")
+    _round_trip(ApiClient(), manifest, "KubeflowOrgV1PyTorchJob")
     replicas = manifest["spec"]["pytorchReplicaSpecs"]
-    unknown = set(replicas) - {"Master", "Worker"}
-    if unknown or "Master" not in replicas:
-        raise ValueError(f"pytorchReplicaSpecs needs Master (and may have Worker), got {sorted(replicas)}")
+    if set(replicas) - {"Master", "Worker"} or replicas.get("Master", {}).get("replicas") != 1:
+        raise ValueError(f"pytorchReplicaSpecs needs exactly one Master (and may have Worker), got {replicas!r}")
     for role, replica in replicas.items():
-        extra = set(replica) - {"replicas", "restartPolicy", "template"}
-        if extra:
-            raise ValueError(f"{role}: unknown field(s) {sorted(extra)}")
-        validate(replica["template"], "V1PodTemplateSpec")
+        pod = replica["template"]["spec"]
+        container = next((c for c in pod["containers"] if c["name"] == PYTORCHJOB_CONTAINER), None)
+        if container is None:
+            raise ValueError(f"{role}: no container named {PYTORCHJOB_CONTAINER!r}; the operator configures "
+                             f"only that one")
+        if PYTORCHJOB_PORT_NAME not in [port.get("name") for port in container.get("ports", [])]:
+            raise ValueError(f"{role}: no port named {PYTORCHJOB_PORT_NAME!r}; the operator takes MASTER_PORT from it")
+        check_gpu_resources(pod)
     return len(replicas)
+
+
+def validate_train_job(manifest: dict) -> Any:
+    """Check a TrainJob with Kubeflow Trainer's own models (kubeflow_trainer_api, pydantic, from its CRDs)."""
+    from kubeflow_trainer_api.models import TrainerV1alpha1TrainJob
+    from pydantic import ValidationError
+
+    if manifest.get("apiVersion") != "trainer.kubeflow.org/v1alpha1" or manifest.get("kind") != "TrainJob":
+        raise ValueError("not a trainer.kubeflow.org/v1alpha1 TrainJob")
+    try:
+        typed = TrainerV1alpha1TrainJob.from_dict(manifest)
+    except ValidationError as error:
+        raise ValueError(f"TrainerV1alpha1TrainJob: {error}") from None
+    problems = _differences(manifest, typed.to_dict(), "TrainJob")
+    if problems:
+        raise ValueError("TrainJob does not match Kubeflow Trainer's schema:\n  " + "\n  ".join(problems))
+    # The runtime's pod template picks the scheduler; HAMi's admission webhook sets it for pods asking for shares.
+    resources = manifest["spec"].get("trainer", {}).get("resourcesPerNode", {})
+    check_gpu_resources({"containers": [{"resources": resources}]}, scheduler_set_elsewhere=True)
+    return typed
+
+
+def check_gpu_resources(pod: dict, scheduler_set_elsewhere: bool = False) -> None:
+    """The GPU resource names of a pod are ones HAMi (or Volcano's vGPU plugin) serves, in `limits`, with the
+    count beside any share, a share within bounds, and the scheduler that understands them."""
+    for container in pod.get("containers", []):
+        resources = container.get("resources", {})
+        limits, requests = resources.get("limits", {}), resources.get("requests", {})
+        for names, scheduler in ((HAMI_NAMES, HAMI_SCHEDULER), (VOLCANO_VGPU_NAMES, VOLCANO_SCHEDULER)):
+            shares = [names[kind] for kind in ("memory", "cores") if names[kind] in limits]
+            if shares and names["count"] not in limits:
+                raise ValueError(f"{shares} without {names['count']}: a share is per GPU, the count is needed")
+            cores = limits.get(names["cores"])
+            if cores is not None and not 0 < int(cores) <= 100:
+                raise ValueError(f"{names['cores']}={cores}: a percent of one GPU, 1..100")
+            if shares and pod.get("schedulerName") != scheduler and not scheduler_set_elsewhere:
+                raise ValueError(f"{shares} need schedulerName {scheduler!r}, got {pod.get('schedulerName')!r}")
+        known = _BASE_RESOURCES | set(HAMI_NAMES.values()) | set(VOLCANO_VGPU_NAMES.values())
+        for key in [*limits, *requests]:
+            if key not in known:
+                raise ValueError(f"unknown resource name {key!r}; HAMi's are {sorted(HAMI_NAMES.values())}")
+        gpu_requests = [key for key in requests if key not in _BASE_RESOURCES]
+        if gpu_requests:
+            raise ValueError(f"{gpu_requests} belong in limits: extended resources are set there")
+
+
+def _pod_specs(manifest: dict) -> list[dict]:
+    spec = manifest.get("spec", {})
+    template = spec.get("template", manifest.get("template"))
+    return [template["spec"]] if isinstance(template, dict) and "spec" in template else []
+
+
+def _round_trip(client: Any, manifest: dict, model: str) -> Any:
+    try:
+        typed = client._ApiClient__deserialize(manifest, model)
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"{model}: {error}") from None
+    problems = _differences(manifest, client.sanitize_for_serialization(typed), model)
+    if problems:
+        raise ValueError(f"{model} does not match the schema:\n  " + "\n  ".join(problems))
+    return typed
 
 
 def _differences(sent: Any, kept: Any, where: str) -> list[str]:

@@ -9,13 +9,19 @@ import pytest
 from helpers import free_port, start, wait
 from helpers.cluster import (
     HAMI_SCHEDULER,
+    KUEUE_QUEUE_LABEL,
     JobSize,
     check_slurm_script,
+    dockerfile,
     indexed_job,
+    pinned,
     pytorch_job,
     slurm_script,
+    train_job,
     validate,
     validate_pytorch_job,
+    validate_train_job,
+    write_job_files,
 )
 
 WHOAMI = Path(__file__).resolve().parent.parent / "helpers" / "workers" / "whoami.py"
@@ -29,12 +35,15 @@ def test_slurm_script_passes_bash_and_torchrun_parsers():
     assert "--nnodes=3" in arguments and "--nproc-per-node=2" in arguments
     assert arguments[-3:] == ["train.py", "--checkpoint", "/shared/c.pt"]
     assert "#SBATCH --nodes=3" in text and "#SBATCH --ntasks-per-node=1" in text
+    assert "srun --cpus-per-task=$SLURM_CPUS_PER_TASK torchrun " in text  # Slurm >= 22.05 does not inherit it
 
 
 @pytest.mark.parametrize("change, words", [
     (("--nnodes=3", "--nodes=3"), "torchrun rejects"),
     (("#SBATCH --time", "#SBATCH --tme"), "unexpected #SBATCH option"),
     (("head -n 1)", "head -n 1"), "bash rejects"),
+    (("srun --cpus-per-task=$SLURM_CPUS_PER_TASK ", "srun "), "does not pass --cpus-per-task"),
+    (("OMP_NUM_THREADS=4", "OMP_NUM_THREADS=8"), "oversubscribe"),
 ])
 def test_slurm_check_catches_mistakes(change, words):
     text = slurm_script("train.py", SHARED).replace(*change)
@@ -52,6 +61,8 @@ def test_indexed_job_and_service_match_the_schema_with_hami_requests():
     limits = pod.containers[0].resources.limits
     assert limits == {"nvidia.com/gpu": "2", "nvidia.com/gpumem": "4000", "nvidia.com/gpucores": "25", "cpu": "8"}
     assert "--rdzv-endpoint=ddp-0.ddp:29500" in pod.containers[0].command
+    service = manifests["service"]["spec"]
+    assert service["clusterIP"] == "None" and service["publishNotReadyAddresses"] is True
 
 
 def test_whole_gpus_use_the_default_scheduler():
@@ -64,6 +75,8 @@ def test_pytorch_job_has_master_and_workers_with_valid_pod_templates():
     job = pytorch_job("ddp", IMAGE, "train.py", SHARED)
     assert validate_pytorch_job(job) == 2
     replicas = job["spec"]["pytorchReplicaSpecs"]
+    container = replicas["Worker"]["template"]["spec"]["containers"][0]
+    assert container["name"] == "pytorch" and container["ports"][0]["name"] == "pytorchjob-port"
     assert replicas["Master"]["replicas"] == 1 and replicas["Worker"]["replicas"] == 2
     assert replicas["Master"]["template"] is not replicas["Worker"]["template"]  # no YAML anchors
     single = pytorch_job("ddp", IMAGE, "train.py", JobSize(nodes=1))
@@ -81,7 +94,7 @@ def test_validation_catches_unknown_fields_wrong_types_and_missing_fields():
         validate(misspelled, "V1Job")
     wrong_type = _job()
     wrong_type["spec"]["completions"] = "three"
-    with pytest.raises(ValueError, match="completions"):
+    with pytest.raises(ValueError, match=r"V1Job: .*'three'"):
         validate(wrong_type, "V1Job")
     unnamed = _job()
     del unnamed["spec"]["template"]["spec"]["containers"][0]["name"]
@@ -93,11 +106,101 @@ def test_validation_catches_unknown_fields_wrong_types_and_missing_fields():
         validate_pytorch_job(bad_template)
 
 
+def _worker_container(job: dict) -> dict:
+    return job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
+
+
+def test_pytorch_job_check_uses_the_operators_models_and_what_it_reads():
+    misspelled = pytorch_job("ddp", IMAGE, "train.py", SHARED)
+    misspelled["spec"]["runPolicy"]["backofLimit"] = 2  # a CRD field: only the operator's model knows it
+    with pytest.raises(ValueError, match="backofLimit: unknown field"):
+        validate_pytorch_job(misspelled)
+    dead_port = pytorch_job("ddp", IMAGE, "train.py", SHARED)
+    _worker_container(dead_port)["ports"][0]["name"] = "rendezvous"
+    with pytest.raises(ValueError, match="pytorchjob-port"):
+        validate_pytorch_job(dead_port)
+    renamed = pytorch_job("ddp", IMAGE, "train.py", SHARED)
+    _worker_container(renamed)["name"] = "trainer"
+    with pytest.raises(ValueError, match="no container named 'pytorch'"):
+        validate_pytorch_job(renamed)
+
+
+@pytest.mark.parametrize("key, value, words", [
+    ("nvidia.com/gpu-mem", "4000", "unknown resource name"),
+    ("nvidia.com/gpucores", "150", "1..100"),
+])
+def test_hami_resource_names_and_bounds_are_checked(key, value, words):
+    job = pytorch_job("ddp", IMAGE, "train.py", SHARED)
+    _worker_container(job)["resources"]["limits"][key] = value
+    with pytest.raises(ValueError, match=words):
+        validate_pytorch_job(job)
+
+
+def test_gpu_shares_need_the_scheduler_that_knows_them():
+    job = indexed_job("ddp", IMAGE, "train.py", SHARED)["job"]
+    del job["spec"]["template"]["spec"]["schedulerName"]
+    with pytest.raises(ValueError, match="hami-scheduler"):
+        validate(job, "V1Job")
+
+
+def test_gang_scheduling_fields():
+    volcano = pytorch_job("ddp", IMAGE, "train.py", SHARED, gang="volcano")
+    assert validate_pytorch_job(volcano) == 2
+    assert volcano["spec"]["runPolicy"]["schedulingPolicy"]["minAvailable"] == SHARED.nodes
+    pod = volcano["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    assert pod["schedulerName"] == "volcano" and "volcano.sh/vgpu-memory" in pod["containers"][0]["resources"]["limits"]
+    for manifest in (pytorch_job("ddp", IMAGE, "t.py", SHARED, gang="kueue"),
+                     train_job("ddp", IMAGE, "t.py", SHARED, gang="kueue"),
+                     indexed_job("ddp", IMAGE, "t.py", SHARED, gang="kueue")["job"]):
+        assert manifest["metadata"]["labels"] == {KUEUE_QUEUE_LABEL: "default"}
+    with pytest.raises(ValueError, match="podGroupPolicy"):
+        train_job("ddp", IMAGE, "t.py", SHARED, gang="volcano")
+
+
+def test_train_job_matches_kubeflow_trainers_models():
+    job = train_job("ddp", IMAGE, "train.py", SHARED, args=["--checkpoint", "/checkpoints/c.pt"])
+    typed = validate_train_job(job)
+    assert typed.spec.trainer.num_nodes == 3 and typed.spec.runtime_ref.name == "torch-distributed"
+    misspelled = copy.deepcopy(job)
+    misspelled["spec"]["trainer"]["numNodez"] = 3
+    with pytest.raises(ValueError, match="numNodez: unknown field"):
+        validate_train_job(misspelled)
+    wrong_type = copy.deepcopy(job)
+    wrong_type["spec"]["trainer"]["numNodes"] = "3"
+    with pytest.raises(ValueError, match="valid integer"):
+        validate_train_job(wrong_type)
+
+
+def test_dockerfile_pins_the_lessons_torch_and_copies_files_that_exist():
+    import torch
+
+    text = dockerfile()
+    assert f"torch=={pinned('torch')}" in text and torch.__version__.split("+")[0] == pinned("torch")
+    root = Path(__file__).resolve().parent.parent
+    for line in text.splitlines():
+        if line.startswith("COPY "):
+            assert (root / line.split()[1]).exists(), line
+
+
+def test_write_job_files_writes_what_the_checks_accept(tmp_path):
+    import yaml
+
+    paths = write_job_files(tmp_path, "helpers/workers/fault_tolerance_train.py", SHARED)
+    assert sorted(p.name for p in paths) == sorted(
+        ["Dockerfile", "job.sbatch", "pytorchjob.yaml", "trainjob.yaml", "indexed-job.yaml"])
+    check_slurm_script((tmp_path / "job.sbatch").read_text())
+    validate_pytorch_job(yaml.safe_load((tmp_path / "pytorchjob.yaml").read_text()))
+    validate_train_job(yaml.safe_load((tmp_path / "trainjob.yaml").read_text()))
+    service, job = yaml.safe_load_all((tmp_path / "indexed-job.yaml").read_text())
+    validate(service, "V1Service")
+    validate(job, "V1Job")
+
+
 def test_two_agents_make_one_job_of_four_ranks(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     port = free_port()
     jobs = [start(WHOAMI, nproc=2, nnodes=2, node_rank=node, rdzv_endpoint=f"127.0.0.1:{port}",
-                  rdzv_id="test", echo=False) for node in (0, 1)]
+                  rdzv_backend="c10d", rdzv_id="test", echo=False) for node in (0, 1)]
     results = {rank: info for run in wait(jobs, timeout=120) for rank, info in run.results.items()}
     assert sorted(results) == [0, 1, 2, 3]
     assert all(info["rank"] == 2 * info["node_rank"] + info["local_rank"] for info in results.values())
