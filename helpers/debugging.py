@@ -1,0 +1,147 @@
+"""Tools for lesson 08 (debugging clinic): cheap cross-rank checks for workers, and readers for what they leave.
+
+Worker side (call on every rank, at the same point of every step, so that they stay collectives in lockstep):
+    names = diverged_tensors(model)            # names of parameters/buffers that differ between ranks
+    ranks = nonfinite_ranks(loss)              # ranks whose local loss is NaN or inf (before the all-reduce)
+
+Notebook side:
+    own_fingerprints(logs)                     # what TORCH_DISTRIBUTED_DEBUG=DETAIL says each rank was running
+    read_flight_records(folder)                # the Flight Recorder dumps a worker wrote, per rank
+    repair_gloo_dump(folder, out)              # make gloo dumps readable by torch's fr_trace analyser
+    check_mystery(rank, step, fixed_run)       # the exercise's check
+"""
+from __future__ import annotations
+
+import pickle
+import re
+from pathlib import Path
+from typing import Any
+
+from helpers.checks import correct, not_yet
+
+
+def checksums(named_tensors: dict[str, Any]) -> Any:
+    """One float64 number per tensor: a position-weighted sum, so that swapped elements change it too."""
+    import torch
+
+    values = []
+    for tensor in named_tensors.values():
+        flat = tensor.detach().double().flatten()
+        weights = torch.linspace(1.0, 2.0, flat.numel(), dtype=torch.float64, device=flat.device)
+        values.append((flat * weights).sum())
+    return torch.stack(values) if values else torch.zeros(0, dtype=torch.float64)
+
+
+def diverged_tensors(model: Any, tolerance: float = 0.0) -> list[str]:
+    """Names of the model's parameters and buffers whose checksum is not the same on every rank.
+
+    One all_gather of len(state_dict) numbers: cheap enough to run every few steps of a real job.
+    """
+    import torch
+    import torch.distributed as dist
+
+    named = dict(model.named_parameters())
+    named.update(model.named_buffers())
+    local = checksums(named)
+    gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, local)
+    spread = torch.stack(gathered).amax(0) - torch.stack(gathered).amin(0)
+    return [name for name, gap in zip(named, spread.tolist(), strict=True) if gap > tolerance]
+
+
+def nonfinite_ranks(value: Any) -> list[int]:
+    """The ranks whose `value` (a tensor, e.g. the local loss) holds a NaN or an inf. Call on every rank."""
+    import torch
+    import torch.distributed as dist
+
+    flags = torch.zeros(dist.get_world_size())
+    flags[dist.get_rank()] = float(not torch.isfinite(value.detach()).all())
+    dist.all_reduce(flags)  # each rank fills its own slot; the sum is everyone's flags
+    return [rank for rank, flag in enumerate(flags.tolist()) if flag]
+
+
+_FINGERPRINT = re.compile(r"Rank (\d+) is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+),? ?"
+                          r"OpType=(\w+)(?:, TensorShape=\[([^\]]*)\], TensorDtypes=(\w+))?")
+
+
+def own_fingerprints(logs: dict[int, str]) -> dict[int, dict[str, Any]]:
+    """Per rank, the collective that rank itself was running when DETAIL mode found a mismatch.
+
+    DETAIL's message also prints the *other* rank's fingerprint, but that one comes from the check's own
+    exchange and can be garbled once the ranks are out of step; a rank's own fingerprint is reliable.
+    """
+    found = {}
+    for rank, text in logs.items():
+        for match in _FINGERPRINT.finditer(text):
+            if int(match.group(1)) == rank:
+                shape = match.group(4)
+                found[rank] = {"sequence": int(match.group(2)), "op": match.group(3),
+                               "shape": None if shape is None else [int(s) for s in shape.split(",") if s.strip()],
+                               "dtype": match.group(5)}
+                break
+    return found
+
+
+def read_flight_records(folder: str | Path) -> dict[int, dict[str, Any]]:
+    """The Flight Recorder dumps in `folder` (files rank0, rank1, ... as the debug workers write them)."""
+    records = {}
+    for path in sorted(Path(folder).glob("rank*")):
+        with open(path, "rb") as file:
+            records[int(path.name.removeprefix("rank"))] = pickle.load(file)
+    return records
+
+
+def last_collective(record: dict[str, Any], script: str) -> dict[str, Any]:
+    """The newest entry of one rank's dump: its sequence number, op, whether it finished, and its line in `script`."""
+    entry = record["entries"][-1]
+    line = next((frame["line"] for frame in entry["frames"] if frame["filename"].endswith(script)), None)
+    return {"sequence": entry["collective_seq_id"], "op": entry["profiling_name"], "retired": entry["retired"],
+            "sizes": entry["input_sizes"], "line": line}
+
+
+def repair_gloo_dump(folder: str | Path, out: str | Path) -> list[str]:
+    """Copy gloo dumps to `out` as trace_<rank>, naming the group in pg_config as the entries do.
+
+    With torch 2.14 a gloo dump lists its default group under the name '' in pg_config, while every entry
+    says it belongs to group '0'; torch.distributed.flight_recorder.fr_trace then stops with KeyError ('0', 0).
+    Returns the names that were renamed.
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    renamed = set()
+    for rank, record in read_flight_records(folder).items():
+        used = {entry["process_group"][0]: entry["process_group"][1] for entry in record["entries"]}
+        config = dict(record["pg_config"])
+        if "" in config and len(used) == 1:
+            name, description = next(iter(used.items()))
+            config[name] = dict(config.pop(""), name=name, desc=description)
+            renamed.add(name)
+        with open(out / f"trace_{rank}", "wb") as file:
+            pickle.dump(dict(record, pg_config=config), file)
+    return sorted(renamed)
+
+
+def check_mystery(rank: int | None, step: int | None, fixed_run: Any = None) -> bool:
+    """The exercise: the rank and step where the mystery job's NaN was born, and a fixed run that finishes."""
+    from helpers.workers.debug_mystery import STEPS, planted
+
+    true_rank, true_step = planted()
+    if rank is None or step is None:
+        return not_yet("set `rank` and `step` to where the first NaN was born (before the all-reduce spread it)")
+    if (rank, step) != (true_rank, true_step):
+        if step != true_step:
+            return not_yet(f"rank {rank}, step {step} is not where it starts; every rank's loss turns NaN one "
+                           "step *after* the bad backward: look for a tool that names the rank whose backward "
+                           "made the first NaN")
+        return not_yet(f"step {step} is right, but the NaN was not born on rank {rank}")
+    if fixed_run is None or not hasattr(fixed_run, "results"):
+        return not_yet(f"diagnosis right (rank {rank}, step {step}); now launch the fixed job and pass its Run "
+                       "as `fixed_run`")
+    finished = sorted(r for r, values in fixed_run.results.items() if values.get("steps") == STEPS)
+    losses = [values.get("final_loss") for values in fixed_run.results.values()]
+    if finished != list(range(fixed_run.nproc)):
+        return not_yet(f"the fixed run must finish all {STEPS} steps on every rank; finished: {finished}")
+    if not all(isinstance(loss, float) and loss == loss and abs(loss) != float("inf") for loss in losses):
+        return not_yet(f"the fixed run finished, but its final losses are not finite: {losses}")
+    return correct(f"the NaN was born on rank {rank} at step {step}, and the fixed job ran all {STEPS} steps "
+                   f"with finite losses on every rank")

@@ -1,0 +1,89 @@
+"""Collectives that do not match across ranks: a hang, silent garbage, a crash, and the tools that show each.
+
+    torchrun --standalone --nproc-per-node 2 helpers/workers/debug_collectives.py --bug skip-barrier
+    TORCH_DISTRIBUTED_DEBUG=DETAIL torchrun --standalone --nproc-per-node 2 \
+        helpers/workers/debug_collectives.py --bug skip-barrier --timeout 10
+
+Every step all-reduces a "gradient" (8 numbers) and the number of samples seen; every --checkpoint-every steps
+the ranks meet at a barrier, as before writing a checkpoint. One planted bug at a time (--bug):
+  skip-barrier  rank 1 skips the barrier at the first checkpoint (it sits under `if rank == 0:` by mistake)
+  dtype         rank 1 counts its samples in int64, rank 0 in float64: same size in bytes, different meaning
+  shape         rank 1's gradient has one number more (its model has one parameter more)
+Tools: --monitored   monitored_barrier instead of barrier (gloo only): rank 0 names the ranks that never came
+       TORCH_DISTRIBUTED_DEBUG=DETAIL (launch(..., debug=True)): each collective is compared across ranks first
+       --flight-recorder DIR  keep a record of the last collectives; each rank dumps it to DIR/rank<N> on an error
+       --timeout S   seconds a collective waits before it fails (gloo's default is 30 minutes)
+"""
+import argparse
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from helpers.distributed import init_distributed
+from helpers.worker import report, result
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--bug", choices=["none", "skip-barrier", "dtype", "shape"], default="none")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--per-rank-batch", type=int, default=16)
+    parser.add_argument("--checkpoint-every", type=int, default=3)
+    parser.add_argument("--monitored", action="store_true")
+    parser.add_argument("--flight-recorder", default=None)
+    parser.add_argument("--timeout", type=float, default=60.0)
+    return parser.parse_args()
+
+
+def meet(args: argparse.Namespace) -> None:
+    """All ranks wait for each other, as before a checkpoint."""
+    if args.monitored:  # rank 0 collects every rank; after the timeout it names those that never came
+        # half the collective timeout, so that rank 0 speaks before the other ranks' collectives time out
+        dist.monitored_barrier(timeout=timedelta(seconds=args.timeout / 2), wait_all_ranks=True)
+    else:
+        dist.barrier()
+
+
+def train(args: argparse.Namespace, rank: int) -> tuple[int, float]:
+    step, samples = 0, torch.zeros(1)
+    for step in range(1, args.steps + 1):
+        gradient = torch.full((9 if args.bug == "shape" and rank == 1 else 8,), float(rank + 1))
+        dist.all_reduce(gradient)
+        count_dtype = torch.int64 if args.bug == "dtype" and rank == 1 else torch.float64
+        samples = torch.tensor([args.per_rank_batch], dtype=count_dtype)
+        dist.all_reduce(samples)
+        print(f"step {step}: gradient[0] {gradient[0].item():g}, samples {samples.item():g}", flush=True)
+        report(step=step, gradient=gradient[0].item(), samples=samples.item())
+        if step % args.checkpoint_every == 0:
+            if args.bug == "skip-barrier" and rank != 0 and step == args.checkpoint_every:
+                continue  # the planted bug: only rank 0 reaches this barrier
+            meet(args)
+    return step, samples.item()
+
+
+def main() -> None:
+    args = parse_args()
+    # torch reads TORCH_DISTRIBUTED_DEBUG once, when torch.distributed is imported; a worker forked from a
+    # process that imported it before the variable was set (the notebook's launch server) must read it again
+    dist.set_debug_level_from_env()
+    if args.flight_recorder:  # must be set before the process group is created
+        os.environ["TORCH_FR_BUFFER_SIZE"] = "100"
+    rank, _, _ = init_distributed(timeout=timedelta(seconds=args.timeout))
+    try:
+        steps, samples = train(args, rank)
+    except Exception:
+        if args.flight_recorder:
+            from torch._C._distributed_c10d import _dump_fr_trace
+
+            os.makedirs(args.flight_recorder, exist_ok=True)
+            with open(os.path.join(args.flight_recorder, f"rank{rank}"), "wb") as file:
+                file.write(_dump_fr_trace())
+        raise
+    result(steps=steps, samples=samples)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""The mystery job of lesson 08's exercise: after a while every rank's loss is NaN. Where did the NaN start?
+
+    torchrun --standalone --nproc-per-node 2 helpers/workers/debug_mystery.py
+    torchrun --standalone --nproc-per-node 2 helpers/workers/debug_mystery.py --nan-check
+    torchrun --standalone --nproc-per-node 2 helpers/workers/debug_mystery.py --anomaly
+
+DDP on 2 ranks: a classifier of 16-number "images" that embeds each image in 8 numbers and also looks at the
+embedding's length (its L2 norm).
+The data are shuffled across ranks by DistributedSampler. Every step prints its loss before backward.
+Tools: --nan-check  every step, before backward, which ranks' losses are not finite (stops at the first)
+       --anomaly    torch.autograd.set_detect_anomaly(True): the backward op that makes a NaN raises
+       --eps E      added under the square root of the length (default 0)
+"""
+import argparse
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DistributedSampler
+
+from helpers.debugging import nonfinite_ranks
+from helpers.distributed import init_distributed
+from helpers.worker import report, result
+
+STEPS, PER_RANK_BATCH, WORLD_SIZE, SHUFFLE_SEED = 10, 8, 2, 8
+
+
+def images() -> tuple[torch.Tensor, torch.Tensor]:
+    """The data set: random images of 16 numbers and 4 classes. One scan failed and came out blank."""
+    generator = torch.Generator().manual_seed(3)
+    x = torch.rand(STEPS * PER_RANK_BATCH * WORLD_SIZE, 16, generator=generator)
+    labels = torch.randint(0, 4, (len(x),), generator=generator)
+    x[37] = 0.0
+    return x, labels
+
+
+def order(rank: int) -> list[int]:
+    """The sample indices this rank trains on, in order (PER_RANK_BATCH per step)."""
+    sampler = DistributedSampler(range(len(images()[0])), num_replicas=WORLD_SIZE, rank=rank, seed=SHUFFLE_SEED)
+    return list(sampler)
+
+
+def planted() -> tuple[int, int]:
+    """(rank, step) of the blank image: the exercise check compares a learner's diagnosis with this."""
+    blank = int((images()[0].abs().sum(1) == 0).nonzero()[0])
+    rank = next(r for r in range(WORLD_SIZE) if blank in order(r))
+    return rank, order(rank).index(blank) // PER_RANK_BATCH + 1
+
+
+class Classifier(nn.Module):
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        self.eps, self.embed, self.layer = eps, nn.Linear(16, 8, bias=False), nn.Linear(9, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        length = torch.sqrt((h ** 2).sum(1, keepdim=True) + self.eps)
+        return self.layer(torch.cat([h, length], dim=1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--nan-check", action="store_true")
+    parser.add_argument("--anomaly", action="store_true")
+    parser.add_argument("--eps", type=float, default=0.0)
+    parser.add_argument("--timeout", type=float, default=30.0)
+    args = parser.parse_args()
+    rank, world_size, _ = init_distributed(timeout=timedelta(seconds=args.timeout))
+    assert world_size == WORLD_SIZE, f"the mystery job runs on {WORLD_SIZE} ranks"
+    torch.manual_seed(0)
+    model = DDP(Classifier(args.eps))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    torch.autograd.set_detect_anomaly(args.anomaly)
+    x_all, labels_all = images()
+    indices = order(rank)
+    step, loss, first_nonfinite = 0, torch.zeros(()), None
+    for step in range(1, STEPS + 1):
+        batch = indices[(step - 1) * PER_RANK_BATCH:step * PER_RANK_BATCH]
+        loss = nn.functional.cross_entropy(model(x_all[batch]), labels_all[batch])
+        print(f"step {step}: loss {loss.item():.4f}", flush=True)
+        report(step=step, loss=loss.item())
+        if args.nan_check and (bad := nonfinite_ranks(loss)):
+            print(f"step {step}: non-finite loss on rank(s) {bad}; stopping before backward", flush=True)
+            first_nonfinite = {"step": step, "ranks": bad}
+            break
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    result(steps=step, final_loss=loss.item(), first_nonfinite=first_nonfinite)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
