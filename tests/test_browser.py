@@ -34,6 +34,8 @@ BUDGET_SECONDS = 360  # one lesson's Run All; nbval's budget is about 3 minutes 
 TICKER = ROOT / "tests" / "workers" / "ticker.py"
 WHOAMI = ROOT / "helpers" / "workers" / "whoami.py"
 TOKEN = "lessons-browser-test"
+EXPLORERS = ["allreduce_explorer(0.7e-3, 0.5e9, [1e3, 1e6], [0.8e-3, 2.7e-3])", "bucket_explorer(deep_mlp())",
+             "memory_explorer()", "pipeline_explorer()"]
 CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-sync",
                   "--disable-background-networking", "--disable-component-update"]
 
@@ -70,6 +72,9 @@ def lab_root(tmp_path_factory) -> Path:
         f"run = launch({str(WHOAMI)!r}, nproc=2)\nprint('whoami ranks', sorted(run.results))",
     ]
     (root / "notebooks" / "scratch.ipynb").write_text(json.dumps(_notebook(scratch)))
+    explorers = ["%matplotlib inline\nfrom helpers import explorers\nfrom helpers.dp import deep_mlp",
+                 *[f"explorers.{call}" for call in EXPLORERS]]
+    (root / "notebooks" / "explorers.ipynb").write_text(json.dumps(_notebook(explorers)))
     return root
 
 
@@ -264,5 +269,28 @@ def test_kernel_restart_during_a_launch_leaves_nothing(browser, lab):
         while _descendants_alive(tree) and time.monotonic() < deadline:
             time.sleep(0.3)
         assert not _descendants_alive(tree), f"left running after a kernel restart: {_descendants_alive(tree)}"
+    finally:
+        _close(page, lab)
+
+
+def test_every_explorer_renders_and_follows_its_controls(browser, lab):
+    page = _open(browser, lab, "explorers.ipynb")
+    try:
+        _command(page, "notebook:run-all-cells")
+        state = _wait(page, lambda s: all(c["count"] for c in s["cells"]), 120, "the explorer cells")
+        assert not [o for c in state["cells"] for o in c["outputs"] if o["output_type"] == "error"], state
+        areas = page.locator(".jp-Cell-outputArea")
+        _wait(page, lambda s: page.locator(".jp-Cell-outputArea img").count() >= len(EXPLORERS), 60,
+              "a figure in every explorer")
+        for index, call in enumerate(EXPLORERS, start=1):
+            area = areas.nth(index)
+            assert "Error displaying widget" not in area.inner_text(), call
+            before = area.locator("img").first.get_attribute("src")
+            area.locator(".noUi-handle").first.focus()  # the first slider, moved as a learner's arrow key would
+            page.keyboard.press("ArrowRight")
+            deadline = time.monotonic() + 30
+            while area.locator("img").first.get_attribute("src") == before and time.monotonic() < deadline:
+                time.sleep(0.3)
+            assert area.locator("img").first.get_attribute("src") != before, f"{call}: the figure did not change"
     finally:
         _close(page, lab)

@@ -1,0 +1,54 @@
+"""The explorers' plain functions: each must agree with the lesson's model or with torch itself."""
+from pathlib import Path
+
+import matplotlib
+import pytest
+
+from helpers import explorers, launch
+from helpers.collectives import predict_allreduce_seconds
+from helpers.dp import deep_mlp
+from helpers.model_parallel import memory_per_rank, pipeline_schedule
+
+matplotlib.use("Agg")
+WORKERS = Path(__file__).resolve().parent.parent / "helpers" / "workers"
+LATENCY, BANDWIDTH = 0.7e-3, 0.5e9
+
+
+def test_ring_is_the_lessons_model_and_tree_trades_latency_for_bandwidth():
+    for n in (2, 8, 64):
+        assert explorers.allreduce_seconds(2**20, n, LATENCY, BANDWIDTH) == predict_allreduce_seconds(
+            2**20, n, LATENCY, BANDWIDTH)
+    # on 2 ranks a tree has one level: one latency, but the whole message up and down (twice the ring's bytes)
+    assert explorers.tree_allreduce_seconds(0, 2, LATENCY, BANDWIDTH) == pytest.approx(LATENCY)
+    # small messages on many ranks: log2(N) levels beat the ring's N-1 steps (catches a linear tree)
+    assert explorers.tree_allreduce_seconds(1024, 256, LATENCY, BANDWIDTH) < explorers.allreduce_seconds(
+        1024, 256, LATENCY, BANDWIDTH) / 10
+    # big messages: the ring's 2(N-1)/N bytes per rank beat a tree that moves the whole message per level
+    assert explorers.allreduce_seconds(2**30, 256, LATENCY, BANDWIDTH) < explorers.tree_allreduce_seconds(
+        2**30, 256, LATENCY, BANDWIDTH)
+
+
+def test_bucket_model_matches_what_ddp_really_did(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run = launch(WORKERS / "dp_vs_ddp_buckets.py", nproc=2, args=["--caps", "default", "0.1", "1", "25",
+                                                                   "--steps", "2"], echo=False, timeout=180)
+    for row in run.results[0]["sweep"]:
+        predicted = explorers.ddp_buckets(deep_mlp(), row["bucket_cap_mb"])
+        assert len(predicted["first_step"]) == len(row["first_step_buckets_mib"]) == 1  # step 1: one bucket
+        assert [round(b / 2**20, 3) for b in predicted["rebuilt"]] == row["buckets_mib"], row["setting"]
+
+
+def test_default_cap_is_not_the_same_as_an_explicit_25():
+    default, explicit = explorers.ddp_buckets(deep_mlp(), None), explorers.ddp_buckets(deep_mlp(), 25)
+    assert default["rebuilt"][0] <= 2**20 + 2**17  # the 1 MiB first bucket (plus one whole tensor over the cap)
+    assert len(default["rebuilt"]) > len(explicit["rebuilt"]) == 1
+
+
+def test_figures_draw_the_plain_functions():
+    ax = explorers.memory_figure(n_params=1e9, world_size=4, precision="mixed", optimizer="adam")
+    tallest = max(patch.get_y() + patch.get_height() for patch in ax.patches)
+    expected = max(sum(memory_per_rank(10**9, 4, mode, "mixed", "adam").values()) for mode in explorers.MODES)
+    assert tallest == pytest.approx(expected / 2**30)  # DDP's bar: 16 bytes per parameter, nothing sharded
+    ax = explorers.pipeline_figure(stages=3, microbatches=4, schedule="gpipe")
+    assert f"{pipeline_schedule(3, 4, 'gpipe')['bubble']:.0%}" in ax.get_title()
+    assert len(ax.collections) == 3 * 4 * 2  # one bar per forward and per backward of every micro-batch and stage
