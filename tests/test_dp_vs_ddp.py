@@ -1,4 +1,4 @@
-"""Lesson 03: the readable DataParallel, the all-reduce counting hook, and the dp_vs_ddp_* workers."""
+"""Lesson 03: DataParallel's CPU twin, the overlap measure, the exercise check, and the dp_vs_ddp_* workers."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,14 +8,8 @@ import torch
 from torch import nn
 
 from helpers import launch
-from helpers.dp import (
-    NaiveDataParallel,
-    check_reduce,
-    data_parallel_step_ms,
-    max_abs_diff,
-    reduce_gradients,
-    single_device_gradients,
-)
+from helpers.checks import max_abs_diff
+from helpers.dp import NaiveDataParallel, check_traffic, intersect, merge, overlap, single_device_gradients, subtract
 from helpers.models import SimpleModel
 
 WORKERS = Path(__file__).resolve().parent.parent / "helpers" / "workers"
@@ -37,6 +31,7 @@ def test_naive_data_parallel_gradients_equal_single_device(num_devices: int, par
     torch.manual_seed(0)
     model = SimpleModel()
     reference = single_device_gradients(model, images, labels, nn.functional.cross_entropy)
+    assert all(p.grad is None for p in model.parameters())  # the reference leaves the module untouched
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     report = NaiveDataParallel(model, num_devices, parallel).train_step(
         images, labels, nn.functional.cross_entropy, optimizer)
@@ -46,16 +41,22 @@ def test_naive_data_parallel_gradients_equal_single_device(num_devices: int, par
                                          "reduce", "step"}
 
 
-def test_naive_data_parallel_work_and_memory_per_device() -> None:
+def test_evidence_is_read_from_the_run() -> None:
     images, labels = _batch(8)
     model = SimpleModel()
-    optimizer = torch.optim.Adam(model.parameters())
-    report = NaiveDataParallel(model, 2).train_step(images, labels, nn.functional.cross_entropy, optimizer)
-    first, second = report.per_device
-    assert first["grad_norm_before_reduce"] > 0 and second["grad_norm_before_reduce"] > 0
-    assert first["optimizer_steps"] == 1 and second["optimizer_steps"] == 0
-    assert first["optimizer_state_bytes"] >= 2 * first["param_bytes"] and second["optimizer_state_bytes"] == 0
-    assert first["output_bytes"] == 3 * second["output_bytes"]  # its chunk plus the gathered batch
+    weights = len(list(model.parameters()))
+    report = NaiveDataParallel(model, 3).train_step(images, labels, nn.functional.cross_entropy,
+                                                    torch.optim.Adam(model.parameters()))
+    for device, work in enumerate(report.per_device):
+        assert work["hook_threads"] == {f"device {device}"} and work["hooks_fired"] > 0
+        assert work["weights_are_leaves"] == work["weights_with_grad"] == work["replica_parameters"] == 0
+        assert work["weight_grad_fn"] == "BroadcastBackward"
+    first, *others = report.per_device
+    assert first["optimizer_holds"] == first["weights_changed_by_step"] == weights
+    assert all(w["optimizer_holds"] == w["weights_changed_by_step"] == w["optimizer_state_bytes"] == 0 for w in others)
+    assert first["optimizer_state_bytes"] >= 2 * first["weight_bytes"]
+    assert (report.reduce["reduce_calls"], report.reduce["devices_summed"]) == (1, 3)
+    assert report.reduce["bytes_copied"] == report.reduce["bytes_from_other_devices"] == 2 * first["weight_bytes"]
 
 
 def test_naive_data_parallel_training_matches_single_device_over_steps() -> None:
@@ -65,7 +66,7 @@ def test_naive_data_parallel_training_matches_single_device_over_steps() -> None
     single_model.load_state_dict(parallel_model.state_dict())
     parallel_opt = torch.optim.SGD(parallel_model.parameters(), lr=0.1, momentum=0.9)
     single_opt = torch.optim.SGD(single_model.parameters(), lr=0.1, momentum=0.9)
-    naive = NaiveDataParallel(parallel_model, 2)
+    naive = NaiveDataParallel(parallel_model, 2, evidence=False)
     for _ in range(3):
         parallel_opt.zero_grad()
         naive.train_step(images, labels, nn.functional.cross_entropy, parallel_opt)
@@ -75,62 +76,91 @@ def test_naive_data_parallel_training_matches_single_device_over_steps() -> None
     assert max_abs_diff(list(parallel_model.parameters()), list(single_model.parameters())) < 1e-5
 
 
-def test_check_reduce_accepts_the_reduction_and_rejects_mistakes(capsys) -> None:
-    assert check_reduce(reduce_gradients)
+def test_check_traffic_accepts_the_answer_and_rejects_mistakes(capsys) -> None:
+    assert check_traffic(lambda parameter_bytes, devices: 2 * (devices - 1) * parameter_bytes)
 
-    def average_instead(replicas):
-        reduce_gradients(replicas)
-        for p in replicas[0].parameters():
-            p.grad /= len(replicas)
-
-    def not_written(replicas):
+    def not_written(parameter_bytes, devices):
         raise NotImplementedError
 
-    assert not check_reduce(average_instead)
-    assert not check_reduce(not_written)
-    assert capsys.readouterr().out.count("Not yet") == 2
+    for wrong in (not_written, lambda b, n: (n - 1) * b, lambda b, n: 2 * n * b, lambda b, n: 0):
+        assert not check_traffic(wrong)
+    out = capsys.readouterr().out
+    assert out.count("Not yet") == 4 and out.count("Correct") == 1
+
+
+def test_span_arithmetic() -> None:
+    assert merge([(5, 6), (0, 2), (1, 3)]) == [(0, 3), (5, 6)]
+    assert intersect([(0, 10)], [(2, 3), (8, 12)]) == [(2, 3), (8, 10)]
+    assert subtract([(0, 10)], [(2, 3), (8, 12)]) == [(0, 2), (3, 8)]
+
+
+def test_overlap_counts_only_running_communication_during_compute() -> None:
+    events = [{"kind": "backward", "start_us": 0, "end_us": 10},
+              {"kind": "all-reduce issued", "start_us": 4, "end_us": 5},   # not compute: a hole in the backward
+              {"kind": "all-reduce running", "start_us": 4.5, "end_us": 12}]
+    result = overlap(events)
+    assert result["overlap_us"] == 5 and result["communication_us"] == 7.5
+    assert result["fraction"] == pytest.approx(5 / 7.5)
+    assert result["communication_after_backward_us"] == 2
+    serial = overlap([{"kind": "backward", "start_us": 0, "end_us": 10},
+                      {"kind": "all-reduce running", "start_us": 10, "end_us": 14}])
+    assert serial["fraction"] == 0
 
 
 def test_data_parallel_is_a_pass_through_without_gpus() -> None:
     if torch.cuda.is_available():
         pytest.skip("with GPUs DataParallel really splits the batch")
-    assert nn.DataParallel(SimpleModel()).device_ids == []
-    assert data_parallel_step_ms(SimpleModel(), global_batch=4, repeats=1) > 0
+    model = SimpleModel()
+    wrapped = nn.DataParallel(model)
+    images, _ = _batch(4)
+    assert wrapped.device_ids == [] and torch.equal(wrapped(images), model(images))
 
 
-def test_counting_hook_counts_one_call_per_bucket() -> None:
-    run = launch(WORKERS / "dp_vs_ddp_buckets.py", nproc=2, args=["--caps", "0.5", "25", "--steps", "1"], echo=False)
+def test_bucket_sweep_shows_the_first_bucket_and_the_rebuild() -> None:
+    run = launch(WORKERS / "dp_vs_ddp_buckets.py", nproc=2, args=["--caps", "default", "0.5", "25", "--steps", "3"],
+                 echo=False)
+    rows = {row["setting"]: row for row in run.results[0]["sweep"]}
+    assert all(row["first_step_buckets_mib"] == [4.29] for row in rows.values())
+    assert [rows[s]["calls_per_step"] for s in ("default", "0.5", "25")] == [2, 8, 1]
+    assert 1.0 <= rows["default"]["buckets_mib"][0] < 1.1
+    assert all(len(row["ddp_rebuilt_bucket_bytes"]) == row["calls_per_step"] for row in rows.values())
     for rank in (0, 1):
-        calls = [row["allreduce_calls_per_step"] for row in run.metrics if row["rank"] == rank]
-        assert calls == [8, 1]
-    assert run.results[0]["cap_25"]["bucket_mb"] == [4.29]
-    assert len(run.results[0]["cap_0.5"]["bucket_mb"]) == 8
+        assert [m["allreduce_calls_per_step"] for m in run.metrics if m["rank"] == rank] == [2, 8, 1]
 
 
 def test_no_sync_cuts_allreduce_calls_and_keeps_gradients() -> None:
-    run = launch(WORKERS / "dp_vs_ddp_no_sync.py", nproc=2, args=["--accumulate", "3", "--micro-batch", "2"], echo=False)
+    run = launch(WORKERS / "dp_vs_ddp_no_sync.py", nproc=2, args=["--accumulate", "3", "--per-rank-batch", "2"],
+                 echo=False)
     for rank in (0, 1):
         res = run.results[rank]
         assert (res["calls_every_backward"], res["calls_with_no_sync"]) == (3, 1)
         assert res["diff_every_backward"] < 1e-6 and res["diff_with_no_sync"] < 1e-6
 
 
-def test_overlap_trace_holds_backward_and_allreduce_on_one_process() -> None:
-    run = launch(WORKERS / "dp_vs_ddp_overlap.py", nproc=1, args=["--bucket-cap-mb", "1", "--per-rank-batch", "4"],
-                 echo=False)
-    events = run.results[0]["events"]
-    kinds = {event["kind"] for event in events}
-    assert {"backward", "all-reduce issued"} <= kinds
-    assert run.results[0]["allreduce_calls"] == 4
-    issued = [e["start_us"] for e in events if e["kind"] == "all-reduce issued"]
-    backward_end = max(e["end_us"] for e in events if e["kind"] == "backward")
-    assert min(issued) < backward_end  # the first bucket is sent while backward still runs
+def test_overlap_worker_returns_profiled_steps() -> None:
+    run = launch(WORKERS / "dp_vs_ddp_overlap.py", nproc=2,
+                 args=["--bucket-cap-mb", "1", "--per-rank-batch", "4", "--steps", "3", "--profiled", "2"], echo=False)
+    res = run.results[0]
+    assert res["allreduce_calls"] == [4, 4] and len(res["steps"]) == 2
+    for events in res["steps"]:
+        assert {e["kind"] for e in events} == {"backward", "all-reduce issued", "all-reduce running"}
+        assert 0 <= overlap(events)["fraction"] <= 1
 
 
 def test_options_worker_measures_bucket_views_and_unused_parameters() -> None:
-    run = launch(WORKERS / "dp_vs_ddp_options.py", nproc=2, args=["--steps", "1", "--per-rank-batch", "4"], echo=False)
+    run = launch(WORKERS / "dp_vs_ddp_options.py", nproc=2, args=["--steps", "3", "--per-rank-batch", "4"], echo=False)
     for rank in (0, 1):
         res = run.results[rank]
         assert res["default"]["grad_storages"] == res["default"]["parameters"] == 32
-        assert res["gradient_as_bucket_view"]["grad_storages"] == 2
+        assert res["gradient_as_bucket_view"]["grad_storages"] == res["gradient_as_bucket_view"]["buckets"] == 2
         assert res["unused_error"].startswith("Expected to have finished reduction")
+
+
+def test_speed_worker_modes_train_the_same_weights() -> None:
+    args = ["--global-batch", "8", "--steps", "3", "--depth", "3", "--width", "32"]
+    modes = {"ddp": 2, "dp": 1, "single": 1}
+    results = {mode: launch(WORKERS / "dp_vs_ddp_speed.py", nproc=nproc, args=["--mode", mode, *args],
+                            echo=False).results[0] for mode, nproc in modes.items()}
+    checksums = [res["abs_checksum"] for res in results.values()]
+    assert max(checksums) - min(checksums) < 1e-4 * max(checksums)
+    assert all(res["step_ms"] > 0 and len(res["step_ms_all"]) == 3 for res in results.values())

@@ -4,8 +4,10 @@
 
 For each setting ("default" means no bucket_cap_mb argument at all), wraps the same deep MLP in DDP,
 counts the all-reduce calls of every step with a comm hook (one call per bucket) and times the steps.
-Step 1 runs with the buckets DDP built at construction; after it, DDP rebuilds them in the order the
-gradients arrived (Reducer::rebuild_buckets), so steps 2.. show the buckets training really uses.
+Step 1 runs with the buckets DDP built at construction (one for the whole model); at the start of step 2's
+forward DDP rebuilds them in the order the first backward produced the gradients (_pre_forward calls
+reducer._rebuild_buckets()), so steps 2.. show the buckets training really uses. DDP's logger records the
+rebuilt sizes at the start of the following forward, hence at least 3 steps.
 Rank 0 hands back one row per setting in results["sweep"]. gloo on CPU, nccl on GPUs; works with one process.
 """
 import argparse
@@ -63,8 +65,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="total steps per setting (the first is not timed)")
     parser.add_argument("--per-rank-batch", type=int, default=32)
     args = parser.parse_args()
-    if args.steps < 2:
-        parser.error("--steps must be at least 2: the first step runs before DDP rebuilds its buckets")
+    if args.steps < 3:
+        parser.error("--steps must be at least 3: step 1 runs before DDP rebuilds its buckets, and DDP logs the "
+                     "rebuilt buckets at the start of step 3")
 
     rank, world_size, device = init_distributed()
     torch.manual_seed(rank)

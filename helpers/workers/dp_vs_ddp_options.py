@@ -86,7 +86,8 @@ def main() -> None:
         grads = [p.grad for p in model.parameters()]
         storages = len({g.untyped_storage().data_ptr() for g in grads})
         grad_mib = sum(g.numel() * g.element_size() for g in grads) / 2**20
-        buckets = str(model._get_ddp_logging_data().get("rebuilt_bucket_sizes", ""))
+        logged = model._get_ddp_logging_data()  # no rebuild with find_unused_parameters: the first buckets stay
+        buckets = str(logged.get("rebuilt_bucket_sizes") or logged.get("bucket_sizes", ""))
         result(**{name: {"step_ms": step_ms, "grad_storages": storages, "parameters": len(grads),
                          "grad_mib": round(grad_mib, 2), "buckets": len(buckets.split(", ")) if buckets else 0}})
         if rank == 0:
