@@ -164,6 +164,16 @@ def op_dtypes(device_type: str = "cpu", dtype: torch.dtype = torch.bfloat16) -> 
     return {name: str(out.dtype) for name, out in ops.items()}
 
 
+def bytes_per_parameter(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, float]:
+    """Bytes per parameter held in weights, gradients and optimizer state (after at least one step)."""
+    count = sum(p.numel() for p in model.parameters())
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
+    state = sum(t.numel() * t.element_size() for per_param in optimizer.state.values()
+                for t in per_param.values() if torch.is_tensor(t) and t.dim() > 0)  # Adam's `step` is a scalar
+    return {"weights": weights / count, "gradients": grads / count, "optimizer state": state / count}
+
+
 # ---------------------------------------------------------------------------- the exercise
 
 def _reference_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,

@@ -1,7 +1,8 @@
 """Shared pieces of lesson 05 (RPC): names by rank, RPC start-up from torchrun's environment, data, evaluation.
 
-    from helpers.rpc_ps import start_rpc, worker_name, trainer_batches, accuracy
+    from helpers.rpc_ps import start_rpc, worker_name, trainer_batches, accuracy, warnings_seen
     rank, world_size = start_rpc()          # rank 0 is "ps", the others "trainer1", "trainer2", ...
+    check_counter("runs/my_counter.py")     # the exercise's check: prints "Correct: ..." or "Not yet: ..."
 
 Taught in notebooks/05_rpc.ipynb. The functions that peers call remotely live in the worker scripts
 themselves (helpers/workers/rpc_*.py): a script runs as ``__main__`` on every rank, so the name
@@ -25,28 +26,54 @@ def worker_name(rank: int) -> str:
     return "ps" if rank == 0 else f"trainer{rank}"
 
 
-_show_warning = warnings.showwarning
+_warnings_seen: list[str] = []
 
 
-def _without_torchscript_deprecation(message, category, *args, **kwargs) -> None:
-    """DistributedOptimizer warns, on every creation, that its TorchScript optimizers are deprecated
-    (RPC is in maintenance mode; the lesson says so). Torch forces that warning past the filters
-    (simplefilter("always")), so it is dropped here, to keep site-packages paths out of the logs."""
-    if "support for functional optimizers is deprecated" not in str(message):
-        _show_warning(message, category, *args, **kwargs)
+def _short_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """Print each distinct warning once, as "Category: message" without the site-packages path, and keep it.
+
+    DistributedOptimizer's remote optimizers warn on every creation that TorchScript functional optimizers
+    are deprecated (torch/distributed/optim/_deprecation_warning.py forces it past the filters with
+    simplefilter("always")); the lesson prints what each run collected with warnings_seen()."""
+    text = f"{category.__name__}: {message}"
+    if text not in _warnings_seen:
+        _warnings_seen.append(text)
+        print(text, flush=True)
+
+
+def warnings_seen() -> list[str]:
+    """The distinct warnings this process has printed since start_rpc."""
+    return list(_warnings_seen)
 
 
 def start_rpc(name: str | None = None, threads: int = 8, timeout: float = 60.0) -> tuple[int, int]:
-    """init_rpc with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT from torchrun; return (rank, world_size)."""
+    """init_rpc with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT from torchrun; return (rank, world_size).
+
+    `timeout` is the RPC timeout: the longest a single rpc_sync/rpc_async/remote call may take."""
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # plain `python script.py`: a world of one
     os.environ.setdefault("MASTER_PORT", "29512")
     # init_rpc builds a gloo group internally with an API torch itself has deprecated: not our code.
     warnings.filterwarnings("ignore", message="You are using a Backend")
-    warnings.showwarning = _without_torchscript_deprecation
+    warnings.showwarning = _short_warning
     options = rpc.TensorPipeRpcBackendOptions(num_worker_threads=threads, rpc_timeout=timeout)
     rpc.init_rpc(name or worker_name(rank), rank=rank, world_size=world_size, rpc_backend_options=options)
     return rank, world_size
+
+
+def is_alive(pid: int) -> bool:
+    """True while process `pid` runs (a zombie, finished but not yet reaped, counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    stat = f"/proc/{pid}/stat"
+    if os.path.exists(stat):
+        with open(stat) as file:
+            return file.read().rsplit(")", 1)[1].split()[0] != "Z"
+    return True
 
 
 def trainer_batches(trainer: int, trainers: int, batch_size: int, steps: int,
@@ -70,21 +97,28 @@ def accuracy(model: nn.Module, limit: int | None = 2000) -> float:
     return (model(images).argmax(dim=1) == labels).float().mean().item()
 
 
-def check_counter(script: str) -> str:
-    """The exercise's check: launch `script` on 2 processes; say what is right or what is missing."""
+SERIAL_SECONDS = 0.6  # ten add() calls one after another take at least 10 x 0.1 s; at once, about 0.1 + 10 x 0.01 s
+
+
+def check_counter(script: str) -> bool:
+    """The exercise's check: launch `script` on 2 processes and say what is right, or what is still wrong."""
+    from helpers.checks import correct, not_yet
     from helpers.launch import launch
 
-    run = launch(script, nproc=2, echo=False, timeout=60)
-    got = run.results.get(0, {})
+    got = launch(script, nproc=2, echo=False, timeout=60).results.get(0, {})
+    count, owner, partial, seconds = (got.get(key) for key in ("count", "owner", "partial_counts", "seconds"))
     problems = []
-    if got.get("count") != 10:
-        problems.append(f"worker0 should report count=10 (ten add(1) calls), got {got.get('count')!r}")
-    if got.get("owner") != "worker1":
-        problems.append(f"the counter should live on worker1 (its owner), got owner={got.get('owner')!r}")
-    if got.get("partial_counts") != list(range(1, 11)):
-        problems.append("each add() should return the count after it, so the ten futures give 1..10 "
-                        f"in some order; got {got.get('partial_counts')!r}")
+    if owner != "worker1":
+        problems.append(f"the counter lives on {owner!r}: create it on worker1 with rpc.remote and call it "
+                        "through the RRef")
+    if seconds is None or seconds > SERIAL_SECONDS:
+        problems.append(f"the ten add() calls took more than {SERIAL_SECONDS} s, so they ran one after another: "
+                        "send all ten with counter.rpc_async().add(1), then wait for the futures")
+    if count != 10 or partial != list(range(1, 11)):
+        problems.append(f"the count is {count!r} and the ten add() calls returned {partial!r}, not 1..10: calls "
+                        "running at once overwrote each other's update; guard add()'s read and write with a "
+                        "threading.Lock")
     if problems:
-        raise AssertionError("Not yet:\n- " + "\n- ".join(problems))
-    return ("Correct: the counter lives on worker1, ten remote add() calls ran there (each returned "
-            "a distinct count 1..10), and worker0 read the total 10 through the RRef.")
+        return not_yet("; ".join(problems) + ".")
+    return correct(f"the counter lives on worker1; ten add() calls ran there at once (in less than "
+                   f"{SERIAL_SECONDS} s), and the lock kept every update: they returned 1..10 and the total is 10.")

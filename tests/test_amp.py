@@ -6,7 +6,14 @@ from torch import nn
 from torch.nn import functional as F
 
 from helpers import launch
-from helpers.amp import check_amp_train_step, format_facts, layer_dtypes, op_dtypes, underflow_fraction
+from helpers.amp import (
+    bytes_per_parameter,
+    check_amp_train_step,
+    format_facts,
+    layer_dtypes,
+    op_dtypes,
+    underflow_fraction,
+)
 from helpers.models import SimpleModel
 
 WORKERS = Path(__file__).resolve().parent.parent / "helpers" / "workers"
@@ -74,6 +81,32 @@ def test_ddp_worker_ranks_skip_together_and_resume_the_scale(tmp_path: Path) -> 
 
 def test_train_worker_runs_bf16_and_reports() -> None:
     run = launch(WORKERS / "amp_train.py", nproc=1, echo=False,
-                 args=["--precision", "bf16", "--model", "simple", "--steps", "4"])
+                 args=["--precision", "bf16", "--model", "simple", "--steps", "4", "--per-rank-batch", "8"])
     result = run.results[0]
     assert result["precision"] == "bf16" and 0 <= result["accuracy"] <= 1 and result["ms_per_step"] > 0
+
+
+def test_scaler_worker_clips_the_true_gradients_to_max_norm() -> None:
+    run = launch(WORKERS / "amp_scaler.py", nproc=1, echo=False,
+                 args=["--steps", "6", "--spike-step", "99", "--max-norm", "0.01"])
+    for row in run.metrics:  # every gradient norm here is above 0.01, so every step is clipped to it
+        assert row["grad_norm"] > 0.01 and abs(row["clipped_norm"] - 0.01) < 1e-4
+
+
+def test_autocast_leaves_ddp_traffic_at_fp32_and_bf16_compress_hook_halves_it() -> None:
+    run = launch(WORKERS / "amp_ddp_traffic.py", nproc=2, echo=False, args=["--steps", "2"])
+    modes = run.results[0]["modes"]
+    parameters = modes["fp32"]["parameters"]
+    assert modes["fp32"]["bytes_per_step"] == modes["bf16 autocast"]["bytes_per_step"] == 4 * parameters
+    assert modes["bf16 autocast + bf16_compress_hook"]["bytes_per_step"] == 2 * parameters
+    assert modes["bf16 autocast + bf16_compress_hook"]["dtypes_sent"] == ["bfloat16"]
+
+
+def test_bytes_per_parameter_with_adam_under_autocast() -> None:
+    model = SimpleModel()
+    optimizer = torch.optim.Adam(model.parameters())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = F.cross_entropy(model(torch.rand(4, 1, 28, 28)), torch.randint(0, 10, (4,)))
+    loss.backward()
+    optimizer.step()
+    assert bytes_per_parameter(model, optimizer) == {"weights": 4, "gradients": 4, "optimizer state": 8}

@@ -9,7 +9,6 @@ one rank (--spike-rank) is an overflow on all, every rank skips the same step, a
 equal without any extra communication. Works with one process too.
 """
 import argparse
-import os
 
 import torch
 import torch.distributed as dist
@@ -17,24 +16,23 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from helpers.data import load
+from helpers.distributed import init_distributed
 from helpers.models import build_model
 from helpers.worker import progress, report, result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=20, help="optimizer steps in total")
+    parser.add_argument("--per-rank-batch", type=int, default=32)
     parser.add_argument("--spike-rank", type=int, default=1, help="the rank whose loss spikes once")
     parser.add_argument("--spike-step", type=int, default=8)
     parser.add_argument("--save", help="write model, optimizer and scaler state here at the end")
     parser.add_argument("--resume", help="start from a checkpoint written with --save")
     args = parser.parse_args()
 
-    use_cuda = torch.cuda.is_available()
-    dist.init_process_group(backend="nccl" if use_cuda else "gloo")
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    device = torch.device(f"cuda:{int(os.environ['LOCAL_RANK'])}" if use_cuda else "cpu")
-    if not use_cuda:
+    rank, world_size, device = init_distributed()  # nccl + this rank's GPU, or gloo on the CPU
+    if device.type == "cpu":
         torch.set_num_threads(1)  # two ranks share two cores
 
     torch.manual_seed(0)  # same initial weights on every rank (DDP also broadcasts rank 0's)
@@ -55,7 +53,7 @@ def main() -> None:
     generator = torch.Generator().manual_seed(rank)
     skipped = []
     for step in range(first_step, first_step + args.steps):
-        index = torch.randint(len(images), (32,), generator=generator)
+        index = torch.randint(len(images), (args.per_rank_batch,), generator=generator)
         with torch.autocast(device.type, dtype=torch.float16):
             loss = F.cross_entropy(model(images[index].to(device)), labels[index].to(device))
         if step == args.spike_step and rank == args.spike_rank:

@@ -1,11 +1,13 @@
 """Watch a GradScaler at work: the loss scale every step, growth, and a skipped step with backoff.
 
     torchrun --standalone --nproc-per-node 1 helpers/workers/amp_scaler.py --spike-step 19
+    torchrun --standalone --nproc-per-node 1 helpers/workers/amp_scaler.py --max-norm 0.3 --steps 30
 
 fp16 autocast on the GPU when there is one, else on the CPU. At --spike-step the loss is multiplied
 by --spike (a stand-in for one bad batch): the scaled gradients overflow fp16, the scaler sees
 inf/NaN, skips optimizer.step() and halves the scale. Every --growth-interval clean steps in a
-row, it doubles the scale again. Gradients are unscaled before clipping, so max_norm means what it says.
+row, it doubles the scale again. Gradients are unscaled before clipping, so --max-norm means what it
+says: each step reports the true gradient norm before and after clip_grad_norm_.
 """
 import argparse
 
@@ -24,7 +26,8 @@ def main() -> None:
     parser.add_argument("--growth-interval", type=int, default=8)
     parser.add_argument("--spike-step", type=int, default=19)
     parser.add_argument("--spike", type=float, default=1e6)
-    parser.add_argument("--max-norm", type=float, default=1.0)
+    parser.add_argument("--max-norm", type=float, default=0.3, help="clip the gradient norm to this")
+    parser.add_argument("--per-rank-batch", type=int, default=64)
     args = parser.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -39,7 +42,7 @@ def main() -> None:
 
     skipped = []
     for step in range(args.steps):
-        index = torch.randint(len(images), (64,))
+        index = torch.randint(len(images), (args.per_rank_batch,))
         x, y = images[index].to(device), labels[index].to(device)
         with torch.autocast(device.type, dtype=torch.float16):
             loss = F.cross_entropy(model(x), y)
@@ -49,13 +52,15 @@ def main() -> None:
         scale = scaler.get_scale()
         scaler.scale(loss).backward()
         scaler.unscale_(optimizer)  # true gradients now, so clipping and the norm below are meaningful
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm).item()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm).item()  # norm before
+        clipped_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()  # and after
         scaler.step(optimizer)  # skips optimizer.step() if any gradient is inf/NaN
         scaler.update()  # halves the scale after a skip; doubles it after growth_interval clean steps
         was_skipped = scaler.get_scale() < scale
         if was_skipped:
             skipped.append(step)
-        report(step=step, scale=scale, loss=loss.item(), grad_norm=grad_norm, skipped=was_skipped)
+        report(step=step, scale=scale, loss=loss.item(), grad_norm=grad_norm, clipped_norm=clipped_norm,
+               skipped=was_skipped)
         progress(step + 1, total=args.steps)
 
     print(f"skipped steps: {skipped}, final scale {scaler.get_scale():g}")

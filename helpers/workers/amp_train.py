@@ -3,9 +3,10 @@
     torchrun --standalone --nproc-per-node 1 helpers/workers/amp_train.py --precision bf16
     torchrun --standalone --nproc-per-node 1 helpers/workers/amp_train.py --precision fp16 --steps 200
 
-Runs on the GPU when there is one, else on the CPU. Only the forward pass changes between
+Runs on the GPU when there is one, else on the CPU (one thread). Only the forward pass changes between
 precisions (torch.autocast); the weights, gradients and optimizer state stay fp32 throughout.
 fp16 needs a GradScaler (its range is narrow); bf16 has fp32's range and does not.
+`helpers/workers/amp_gpu_check.py` calls train() for all three precisions on a GPU.
 """
 import argparse
 import statistics
@@ -28,30 +29,22 @@ def evaluate(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -
     return (predictions.cpu() == labels).float().mean().item()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--precision", choices=list(DTYPES), default="fp32")
-    parser.add_argument("--model", default="cnn")
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--batch", type=int, default=32)
-    args = parser.parse_args()
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = DTYPES[args.precision]
-    if device.type == "cpu":
-        torch.set_num_threads(1)  # one core per run: timings then compare on a shared 2-core machine
+def train(precision: str, model_name: str, steps: int, per_rank_batch: int, device: torch.device) -> dict:
+    """Train from the same seed; return the median time per step (after warm-up) and test accuracy."""
+    dtype = DTYPES[precision]
     torch.manual_seed(0)
     images, labels = load(train=True)[0].tensors
-    model = build_model(args.model).to(device)
+    model = build_model(model_name).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
-    # enabled=False turns every scaler call into a pass-through, so one loop serves all precisions.
+    # The precision lives in two lines: autocast's `enabled=` below, and the scaler's `enabled=` here
+    # (a disabled scaler passes every call through, so one loop serves all three precisions).
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
 
     step_times = []
-    for step in range(args.steps):
-        index = torch.randint(len(images), (args.batch,))
+    for step in range(steps):
+        index = torch.randint(len(images), (per_rank_batch,))
         x, y = images[index].to(device), labels[index].to(device)
         start = time.perf_counter()
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
@@ -64,14 +57,28 @@ def main() -> None:
             torch.cuda.synchronize()  # GPU work is asynchronous: wait for it before reading the clock
         step_times.append(time.perf_counter() - start)
         report(step=step, loss=loss.item())
-        progress(step + 1, total=args.steps)
+        progress(step + 1, total=steps)
 
-    accuracy = evaluate(model, device, dtype)
-    peak_mb = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None
-    ms_per_step = 1000 * statistics.median(step_times[3:])  # the first steps pay one-off setup costs
-    print(f"{args.precision} on {device.type}: {ms_per_step:.1f} ms/step, test accuracy {accuracy:.3f}")
-    result(precision=args.precision, device=device.type, ms_per_step=ms_per_step, accuracy=accuracy,
-           final_loss=loss.item(), peak_memory_mb=peak_mb)
+    return dict(precision=precision, device=device.type, ms_per_step=1000 * statistics.median(step_times[3:]),
+                accuracy=evaluate(model, device, dtype), final_loss=loss.item(),
+                peak_memory_mb=torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--precision", choices=list(DTYPES), default="fp32")
+    parser.add_argument("--model", default="cnn")
+    parser.add_argument("--steps", type=int, default=40, help="optimizer steps in total")
+    parser.add_argument("--per-rank-batch", type=int, default=32)
+    args = parser.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # one core per run: timings then compare on a shared 2-core machine
+    outcome = train(args.precision, args.model, args.steps, args.per_rank_batch, device)
+    print(f"{args.precision} on {device.type}: {outcome['ms_per_step']:.1f} ms/step, "
+          f"test accuracy {outcome['accuracy']:.3f}")
+    result(**outcome)
 
 
 if __name__ == "__main__":

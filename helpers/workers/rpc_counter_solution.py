@@ -4,10 +4,12 @@
 
 worker0 creates the Counter on worker1 with rpc.remote, sends ten increments at once with
 rpc_async through the RRef's proxy, waits for them, and reads the total with a remote method call.
-With one process the counter lives on worker0 itself.
+worker1's RPC threads run the ten add() calls at the same time, so the read-modify-write in add()
+needs a lock. With one process the counter lives on worker0 itself.
 """
 import os
 import threading
+import time
 import warnings
 
 import torch.distributed.rpc as rpc
@@ -18,11 +20,14 @@ from helpers.worker import result
 class Counter:
     def __init__(self) -> None:
         self.count = 0
-        self.lock = threading.Lock()  # increments arrive on several RPC threads at once
+        self.lock = threading.Lock()  # add() calls arrive on several RPC threads at once
 
     def add(self, amount: int) -> int:
-        with self.lock:
-            self.count += amount
+        time.sleep(0.1)  # slow work that may run in parallel with other calls
+        with self.lock:  # without it, calls running at once read the same count and lose updates
+            current = self.count
+            time.sleep(0.01)
+            self.count = current + amount
             return self.count
 
     def value(self) -> int:
@@ -34,11 +39,13 @@ def main() -> None:
     warnings.filterwarnings("ignore", message="You are using a Backend")  # torch-internal deprecation
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size)
     if rank == 0:
-        counter = rpc.remote(f"worker{1 % world_size}", Counter)
-        futures = [counter.rpc_async().add(1) for _ in range(10)]
+        counter = rpc.remote(f"worker{1 % world_size}", Counter)  # created and kept on worker1
+        started = time.perf_counter()
+        futures = [counter.rpc_async().add(1) for _ in range(10)]  # all ten in flight at once
         partial_counts = [future.wait() for future in futures]  # what each add() returned
+        seconds = time.perf_counter() - started
         result(count=counter.rpc_sync().value(), owner=counter.owner().name,
-               partial_counts=sorted(partial_counts))
+               partial_counts=sorted(partial_counts), seconds=seconds)
     rpc.shutdown()
 
 

@@ -5,12 +5,13 @@
 Rank 0 is the server ("ps"): it holds the only real copy of the model, and its main thread just
 waits in rpc.shutdown() until the trainers are done, then tests the model. Every other rank is a
 trainer ("trainer1", "trainer2", ...) that, each step, inside a distributed autograd context:
-pulls the parameters (an RPC whose returned tensors remember where they came from), runs the
-model locally, calls dist_autograd.backward (gradients travel back to the server, into that
-context only) and DistributedOptimizer.step (the server applies them). Trainers never wait for
-each other: updates are asynchronous. With one process the server trains alone.
+pulls the parameters (views of them: see ParameterServer.parameters), runs the model locally, calls
+dist_autograd.backward (gradients travel back to the server, into that context only) and
+DistributedOptimizer.step (the server applies them). Trainers never wait for each other: updates
+are asynchronous. With one process the server trains alone.
 """
 import argparse
+import os
 import threading
 import time
 
@@ -22,7 +23,7 @@ from torch.distributed.optim import DistributedOptimizer
 from torch.func import functional_call
 
 from helpers.models import SimpleModel
-from helpers.rpc_ps import accuracy, start_rpc, trainer_batches, worker_name
+from helpers.rpc_ps import accuracy, start_rpc, trainer_batches, warnings_seen, worker_name
 from helpers.worker import progress, report, result
 
 _server = None
@@ -37,8 +38,10 @@ class ParameterServer:
         self.model = SimpleModel()
 
     def parameters(self) -> list[torch.Tensor]:
-        # Views, not the parameters themselves: distributed autograd links a tensor that crosses
-        # the wire to the graph only when it has a grad_fn, and a leaf parameter has none.
+        # Views, not the nn.Parameters themselves. The RPC pickler (torch/distributed/rpc/internal.py)
+        # sends exactly torch.Tensor through distributed autograd; an nn.Parameter pickles itself with
+        # Parameter.__reduce_ex__, which sends its detached .data: the trainer would get an unlinked
+        # copy, and its gradients would never reach this server. A view is a plain tensor linked to p.
         return [p.view_as(p) for p in self.model.parameters()]
 
     def parameter_rrefs(self) -> list[rpc.RRef]:
@@ -56,15 +59,18 @@ def get_server() -> ParameterServer:
 
 def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
     server = rpc.remote(worker_name(0), get_server)
+    # Each DistributedOptimizer creates its own SGD on the server: with momentum, one buffer per trainer.
     optimizer = DistributedOptimizer(torch.optim.SGD, server.rpc_sync().parameter_rrefs(),
                                      lr=args.lr, momentum=args.momentum)
     shape_only = SimpleModel()  # its own parameters are never used: only its forward code
     names = [name for name, _ in shape_only.named_parameters()]
     trainer, trainers = max(rank - 1, 0), max(world_size - 1, 1)
     started = time.perf_counter()
-    for step, (images, labels) in enumerate(trainer_batches(trainer, trainers, args.batch_size, args.steps)):
+    for step, (images, labels) in enumerate(trainer_batches(trainer, trainers, args.per_rank_batch, args.steps)):
         if rank == args.crash_rank and step == args.crash_step:
             raise RuntimeError(f"{worker_name(rank)} crashed at step {step} (simulated)")
+        if rank == args.vanish_rank and step == args.crash_step:
+            os._exit(0)  # gone without an error and without rpc.shutdown(): no agent would notice
         with dist_autograd.context() as context_id:
             parameters = server.rpc_sync().parameters()  # pull
             logits = functional_call(shape_only, dict(zip(names, parameters, strict=True)), (images,))
@@ -78,19 +84,23 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=40, help="steps per trainer")
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=40, help="steps each trainer takes, in total")
+    parser.add_argument("--per-rank-batch", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.1)
-    parser.add_argument("--momentum", type=float, default=0.5, help="see the lesson: lower than usual")
-    parser.add_argument("--crash-rank", type=int, default=-1, help="this trainer dies (failure demo)")
+    parser.add_argument("--momentum", type=float, default=0.0, help="0: SGD keeps no per-trainer state")
+    parser.add_argument("--crash-rank", type=int, default=-1, help="this trainer raises (failure demo)")
+    parser.add_argument("--vanish-rank", type=int, default=-1, help="this trainer exits silently, code 0")
     parser.add_argument("--crash-step", type=int, default=5, help="...at this step")
+    parser.add_argument("--rpc-timeout", type=float, default=60.0, help="seconds a single RPC may take")
     args = parser.parse_args()
-    rank, world_size = start_rpc()
+    rank, world_size = start_rpc(timeout=args.rpc_timeout)
+    report(pid=os.getpid())  # the lesson checks that no process outlives a failed job
     if rank != 0 or world_size == 1:
         train(rank, world_size, args)
+    report(in_shutdown=True)  # the time stamp says when this rank began waiting in rpc.shutdown()
     rpc.shutdown()  # the server waits here until every trainer has finished
     if rank == 0:
-        result(test_accuracy=accuracy(get_server().model))
+        result(test_accuracy=accuracy(get_server().model), warnings=warnings_seen())
 
 
 if __name__ == "__main__":
