@@ -31,7 +31,7 @@ def test_ring_is_the_lessons_model_and_tree_trades_latency_for_bandwidth():
 def test_bucket_model_matches_what_ddp_really_did(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     run = launch(WORKERS / "dp_vs_ddp_buckets.py", nproc=2, args=["--caps", "default", "0.1", "1", "25",
-                                                                   "--steps", "2"], echo=False, timeout=180)
+                                                                   "--steps", "3"], echo=False, timeout=180)
     for row in run.results[0]["sweep"]:
         predicted = explorers.ddp_buckets(deep_mlp(), row["bucket_cap_mb"])
         assert len(predicted["first_step"]) == len(row["first_step_buckets_mib"]) == 1  # step 1: one bucket
