@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import WorkerFailed, launch
+from helpers import WorkerFailed, free_port, launch, start, wait
 from helpers.checkpoint import (
     check_atomic_save,
     load_checkpoint,
@@ -107,3 +107,26 @@ def test_without_a_checkpoint_a_restart_starts_again_from_step_zero():
                  args=[*SMALL, "--fail-rank", "1", "--fail-step", "3"])
     assert "attempt 1: world size 2, starting at step 0" in run.logs[0]
     assert run.results[0]["steps"] == 6
+
+
+def test_a_node_that_vanishes_leaves_the_job_running_on_the_other(tmp_path):
+    """Two agents with --nnodes=1:2; node 1 is killed at step 3; node 0 re-rendezvouses alone and finishes."""
+    port = free_port()
+    elastic = dict(nproc=1, nnodes="1:2", max_restarts=1, rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}",
+                   rdzv_id="test-elastic", echo=False)
+    timing = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=2"
+    train = ["--steps", "6", "--checkpoint-every", "2", "--global-batch", "32", "--checkpoint", tmp_path / "c.pt"]
+    survivor = start(TRAIN, args=train, rdzv_conf=f"is_host=1,{timing}", **elastic)
+    leaver = start(TRAIN, args=[*train, "--fail-step", "3", "--fail-mode", "node-lost"],
+                   rdzv_conf=f"is_host=0,{timing}", node_rank=1, **elastic)
+    run = wait([survivor], timeout=180)[0]
+    with pytest.raises(WorkerFailed, match="-9"):
+        wait([leaver], timeout=30)
+    sizes = {(row["step"], row["world_size"]) for row in run.metrics}
+    assert {(3, 2), (3, 1), (6, 1)} <= sizes  # step 3 ran with two nodes, then again with one
+    assert "attempt 1: world size 1, starting at step 2" in run.logs[0]
+
+
+def test_global_batch_must_split_over_the_ranks():
+    with pytest.raises(WorkerFailed, match="does not split over 2 ranks"):
+        launch(TRAIN, nproc=2, args=["--global-batch", "33", "--steps", "1"], echo=False)
