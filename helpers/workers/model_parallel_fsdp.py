@@ -6,7 +6,8 @@
 it holds, counts the all-gathers and reduce-scatters of each step (by wrapping the two functions FSDP
 calls), and trains a DDP copy on the same data to check that parameters stay equal. Last, one step of a
 copy sharded with MixedPrecisionPolicy(param_dtype=torch.bfloat16): its all-gathers and reduce-scatters
-move bf16 (2 bytes per value), and its loss is compared with the fp32 model's. Works with one process.
+move bf16 (2 bytes per value), and its loss is compared with the fp32 model's; and one step of a copy
+with reshard_after_forward=False, which gathers each layer once per step. Works with one process.
 """
 import argparse
 from collections import Counter
@@ -38,11 +39,11 @@ def count_calls(name: str, full_size_arg: str) -> None:
     setattr(dist, name, counted)
 
 
-def shard(model: nn.Sequential, policy: MixedPrecisionPolicy) -> nn.Sequential:
+def shard(model: nn.Sequential, policy: MixedPrecisionPolicy, reshard_after_forward: bool = True) -> nn.Sequential:
     for layer in model:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+            fully_shard(layer, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     return model
 
 
@@ -90,13 +91,17 @@ def main() -> None:
     # The same model gathered and reduced in bf16; the optimizer would still update fp32 shards.
     bf16_model = shard(mlp(args.width, args.hidden_layers).to(device), MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     fp32_model = shard(mlp(args.width, args.hidden_layers).to(device), MixedPrecisionPolicy())
-    losses = {}
-    for name, copy in (("bf16", bf16_model), ("fp32", fp32_model)):
+    # And kept gathered from forward to backward: one all-gather per layer and step instead of two.
+    kept_model = shard(mlp(args.width, args.hidden_layers).to(device), MixedPrecisionPolicy(),
+                       reshard_after_forward=False)
+    losses, extra = {}, {}
+    for name, copy in (("bf16", bf16_model), ("fp32", fp32_model), ("no_reshard", kept_model)):
         traffic.clear()
         losses[name] = nn.functional.cross_entropy(copy(images), labels)
         losses[name].backward()
-        per_step.append({"policy": name, **traffic})
-    result(shards=shards, traffic=per_step[:args.steps], bf16_traffic=per_step[args.steps], max_param_diff=max_diff,
+        extra[name] = dict(traffic)
+    result(shards=shards, traffic=per_step, bf16_traffic=extra["bf16"], no_reshard_traffic=extra["no_reshard"],
+           max_param_diff=max_diff,
            n_params=sum(q.numel() for q in ddp_model.parameters()),
            bf16_loss_diff=abs(losses["bf16"].item() - losses["fp32"].item()),
            bf16_sharded_dtype=str(next(bf16_model.parameters()).dtype))

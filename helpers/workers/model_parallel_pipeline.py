@@ -36,7 +36,7 @@ def main() -> None:
     parser.add_argument("--hidden-layers", type=int, default=3)
     parser.add_argument("--global-batch", type=int, default=256, help="samples per step, cut into micro-batches")
     parser.add_argument("--steps-per-schedule", type=int, default=2, help="only the last is recorded")
-    parser.add_argument("--stage-ms", type=float, default=400.0, help="simulated forward ms of a stage, whole batch")
+    parser.add_argument("--stage-ms", type=float, default=600.0, help="simulated forward ms of a stage, whole batch")
     args = parser.parse_args()
 
     rank, world_size, device = init_distributed()
