@@ -1,12 +1,17 @@
 """Checkpoints that survive a crash: atomic save, safe load, and the RNG state a resume needs.
 
     from helpers.checkpoint import save_checkpoint, load_checkpoint, rng_state, set_rng_state
-    save_checkpoint("ckpt.pt", {"model": model.state_dict(), "step": step, "rng": rng_state()})
-    state = load_checkpoint("ckpt.pt")          # None when there is none yet
+    states = [None] * world_size if rank == 0 else None
+    dist.gather_object(rng_state(), states, dst=0)   # every rank's generators, not only rank 0's
+    if rank == 0:
+        save_checkpoint("runs/ckpt.pt", {"model": model.state_dict(), "step": step, "rng": states})
+    state = load_checkpoint("runs/ckpt.pt")          # None when there is none yet
+    set_rng_state(state["rng"][rank])
 
 Taught in lesson 06 (fault tolerance). The save writes a temporary file next to the target, flushes
 it to disk, then renames it over the target: a rename within one folder is atomic, so a crash at any
-moment leaves either the old checkpoint or the new one, never half of one. The load uses
+moment leaves either the old checkpoint or the new one, never half of one (on a POSIX file system; an
+object store has no atomic rename: write new keys and a marker last). The load uses
 ``weights_only=True``, which unpickles tensors and plain containers only, never arbitrary code.
 """
 from __future__ import annotations
@@ -19,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from helpers.checks import correct, not_yet
 
 
 def temporary_path(path: str | os.PathLike) -> Path:
@@ -94,15 +101,11 @@ def check_atomic_save(save: Callable[[dict, Path], None], folder: str | os.PathL
     try:
         after = torch.load(path, weights_only=True)
     except (RuntimeError, EOFError, pickle.UnpicklingError) as error:
-        print(f"Not yet: the crash destroyed the last good checkpoint ({type(error).__name__}).")
-        return False
+        return not_yet(f"the crash destroyed the last good checkpoint ({type(error).__name__}).")
     if after["step"] != 1 or not torch.equal(after["weight"], good["weight"]):
-        print("Not yet: the file at `path` changed although the second save failed.")
-        return False
+        return not_yet("the file at `path` changed although the second save failed.")
     save({"step": 3, "weight": good["weight"] * 2}, path)
     if torch.load(path, weights_only=True)["step"] != 3:
-        print("Not yet: a save that succeeds must replace the checkpoint.")
-        return False
-    print("Well done: a crash in the middle of a save leaves the previous checkpoint intact, "
-          "and a save that succeeds replaces it.")
-    return True
+        return not_yet("a save that succeeds must replace the checkpoint.")
+    return correct("a crash in the middle of a save leaves the previous checkpoint intact, "
+                   "and a save that succeeds replaces it.")

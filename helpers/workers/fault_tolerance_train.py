@@ -82,9 +82,10 @@ def join_group(timeout: timedelta) -> tuple[int, int, torch.device]:
 
     After a restart, torchrun's workers get the same store as the first attempt (the agent keeps its
     TCPStore server: DynamicRendezvousHandler.next_rendezvous in torch/distributed/elastic/rendezvous/
-    dynamic_rendezvous.py). Plain init_process_group() would read the dead attempt's addresses there and
-    fail with "Connection refused". The prefix keeps each group's keys apart; the world size is in it
-    because a node that joins restarts the workers without counting a restart.
+    dynamic_rendezvous.py). Plain init_process_group() can read the dead attempt's addresses there and
+    fail with "Connection refused" (when a rank reads a peer's key before the new peer rewrote it). The
+    prefix keeps each group's keys apart; the world size is in it because a node that joins restarts
+    the workers without counting a restart.
     """
     if "TORCHELASTIC_USE_AGENT_STORE" not in os.environ:  # plain python or torch.multiprocessing
         return init_distributed(timeout=timeout)
