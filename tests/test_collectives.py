@@ -97,3 +97,10 @@ def test_exercise_check_reports_a_deadlock(tmp_path, capsys):
     stuck.write_text("import time\ntime.sleep(30)\n")
     assert not check_all_gather(stuck, nproc=1, timeout=3)
     assert "deadlock" in capsys.readouterr().out
+
+
+def test_blocking_send_both_ways_waits_until_the_group_times_out():
+    run = launch(WORKERS / "collectives_deadlock.py", nproc=2, echo=False, args=["--timeout-seconds", 1])
+    outcomes = [run.results[rank]["outcome"] for rank in (0, 1)]
+    assert "completed" not in outcomes
+    assert any("Timed out waiting 1000ms for send operation to complete" in outcome for outcome in outcomes)

@@ -61,11 +61,12 @@ def main() -> None:
     # isend/irecv: every rank passes to its right neighbour at the same time (a ring shift).
     # With blocking send on both sides each rank could wait for the other: non-blocking ops avoid that.
     tensor = starting_tensor(rank, length, device)
-    received = torch.empty_like(tensor)
-    requests = [dist.isend(tensor, dst=(rank + 1) % world_size),
-                dist.irecv(received, src=(rank - 1) % world_size)]
-    for request in requests:
-        request.wait()
+    received = tensor.clone()  # one process: its own left neighbour
+    if world_size > 1:
+        requests = [dist.isend(tensor, dst=(rank + 1) % world_size),
+                    dist.irecv(received, src=(rank - 1) % world_size)]
+        for request in requests:
+            request.wait()
     record("isend/irecv", tensor, received)
 
     tensor = starting_tensor(rank, length, device)
