@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from helpers.checks import correct, not_yet
 from helpers.plots import FIGSIZE
 
 FORMATS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -207,7 +208,7 @@ def _same(model_a: nn.Module, model_b: nn.Module) -> bool:
 def check_amp_train_step(train_step: Callable, max_norm: float = 0.1) -> bool:
     """Run `train_step(model, optimizer, scaler, images, labels, max_norm)` against the correct AMP step.
 
-    Prints what is right or wrong and returns True only if every check passes."""
+    Prints one line, "Correct: ..." or "Not yet: " and everything still wrong; returns True only if all is right."""
     problems: dict[str, list[str]] = {}  # what is wrong -> in which cases
     for case, init_scale in (("a normal step", 2.0 ** 8), ("an overflowing step", 2.0 ** 60)):
         model, optimizer, scaler, images, labels = _setup(init_scale)
@@ -234,9 +235,7 @@ def check_amp_train_step(train_step: Callable, max_norm: float = 0.1) -> bool:
                          " clip_grad_norm_, so that max_norm applies to the true gradients)")
         for problem in found:
             problems.setdefault(problem, []).append(case)
-    for problem, cases in problems.items():
-        print(f"Not yet ({' and '.join(cases)}): {problem}")
-    if not problems:
-        print("Correct: autocast forward, scaled backward, unscale_ before clipping, "
-              "skipped step on overflow, scale updated.")
-    return not problems
+    if problems:
+        return not_yet("; ".join(f"{problem} (in {' and in '.join(cases)})" for problem, cases in problems.items()))
+    return correct("autocast forward, scaled backward, unscale_ before clipping, skipped step on overflow, "
+                   "scale updated.")
