@@ -9,8 +9,9 @@ the batch into micro-batches and moves activations and gradients between ranks f
 `--stage-ms` gives every stage a fixed compute time (a sleep of that many milliseconds per whole batch,
 in forward and again in backward, split evenly over the micro-batches), so that on a small CPU the
 stages' work, not the messages between them, fills the timeline. Every rank records when its stage
-computes and how many bytes of activations it holds at most, and checks loss and gradients against the
-unsplit model. Works with one process (a one-stage pipeline).
+computes and how many bytes of activations it holds at most (of the fastest step after a warm-up, so
+that a moment when the machine is busy elsewhere does not count), and checks loss and gradients against
+the unsplit model. Works with one process (a one-stage pipeline).
 """
 import argparse
 
@@ -28,6 +29,13 @@ from helpers.worker import progress, result
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
+def fastest_step(steps: list[list[dict]]) -> int:
+    """The step whose slowest rank finished soonest, agreed by all ranks (as timing keeps its best run)."""
+    spans = torch.tensor([max(e["end"] for e in events) - min(e["start"] for e in events) for events in steps])
+    dist.all_reduce(spans, op=dist.ReduceOp.MAX)
+    return int(spans.argmin())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schedules", nargs="+", choices=sorted(SCHEDULES), default=["gpipe", "1f1b"])
@@ -35,9 +43,12 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--hidden-layers", type=int, default=3)
     parser.add_argument("--global-batch", type=int, default=256, help="samples per step, cut into micro-batches")
-    parser.add_argument("--steps-per-schedule", type=int, default=2, help="only the last is recorded")
+    parser.add_argument("--steps-per-schedule", type=int, default=3,
+                        help="the first warms up; of the others the fastest is kept")
     parser.add_argument("--stage-ms", type=float, default=600.0, help="simulated forward ms of a stage, whole batch")
     args = parser.parse_args()
+    if args.steps_per_schedule < 2:
+        parser.error("--steps-per-schedule must be at least 2: a warm-up, then the recorded steps")
 
     rank, world_size, device = init_distributed()
     first, last = rank == 0, rank == world_size - 1
@@ -61,9 +72,9 @@ def main() -> None:
                if not (name == "1f1b" and m < world_size)]  # 1F1B needs at least one micro-batch per stage
     for done, (name, microbatches) in enumerate(configs):
         schedule = SCHEDULES[name](stage, n_microbatches=microbatches, loss_fn=nn.functional.cross_entropy)
+        recorded = []
         for step in range(args.steps_per_schedule):  # the first step also runs an extra forward to learn shapes
-            recorded = step == args.steps_per_schedule - 1
-            simulated.ms_per_sample = args.stage_ms / args.global_batch if recorded else 0.0  # no wait unrecorded
+            simulated.ms_per_sample = args.stage_ms / args.global_batch if step > 0 else 0.0
             watched.zero_grad()
             watched.times.clear()
             dist.barrier()
@@ -77,11 +88,13 @@ def main() -> None:
                     schedule.step(target=labels, losses=losses)
                 else:
                     schedule.step()
-        key = f"{name} m={microbatches}"
-        timelines[key] = [{"rank": rank, "kind": kind, "start": start, "end": end}
+            if step > 0:
+                events = [{"rank": rank, "kind": kind, "start": start, "end": end}
                           for kind, start, end in watched.intervals()]
-        # Every micro-batch saves the same bytes, so saved.bytes / m is one micro-batch's activations.
-        activations[key] = {"peak": saved.peak, "per_microbatch": saved.bytes / microbatches}
+                # Every micro-batch saves the same bytes, so saved.bytes / m is one micro-batch's activations.
+                recorded.append((events, {"peak": saved.peak, "per_microbatch": saved.bytes / microbatches}))
+        key = f"{name} m={microbatches}"
+        timelines[key], activations[key] = recorded[fastest_step([events for events, _ in recorded])]
         grad_diff = max_abs_diff([p.grad for p in layers.parameters()], unsplit_grads)
         # Equal micro-batches: the mean of their losses is the loss of the whole batch.
         loss_diff = abs(torch.stack(losses).mean().item() - unsplit_loss.item()) if last else None
