@@ -15,11 +15,13 @@ their weights are non-leaf outputs of a Broadcast function, and the gradients re
 parameters through Broadcast's backward, which sums them over the devices.
 """
 
+import sys
 import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -86,6 +88,24 @@ def replicate(module: nn.Module, num_devices: int, log: dict | None = None) -> t
                 setattr(replica, name, None if param is None else weights[device][index[param]])
         replicas.append(copies[module])
     return replicas, weights
+
+
+def torch_replicate_on_cpu(module: nn.Module, num_devices: int) -> list[nn.Module]:
+    """torch.nn.parallel.replicate itself, run on CPU: only its device copy is swapped for Broadcast above.
+
+    replicate() moves tensors with _broadcast_coalesced_reshape (torch's Broadcast, GPUs only); every other line
+    that runs is torch's own. Devices are given as indices, which replicate() accepts without a GPU.
+    """
+    def broadcast_on_cpu(tensors, devices, detach=False):
+        if not tensors:
+            return []
+        flat = Broadcast.apply({}, len(devices), *tensors)
+        flat = [t.detach() for t in flat] if detach else flat
+        return [list(flat[d * len(tensors):(d + 1) * len(tensors)]) for d in range(len(devices))]
+
+    replicate_py = sys.modules["torch.nn.parallel.replicate"]  # the module; torch.nn.parallel.replicate is the function
+    with mock.patch.object(replicate_py, "_broadcast_coalesced_reshape", broadcast_on_cpu):
+        return torch.nn.parallel.replicate(module, list(range(num_devices)))
 
 
 def parallel_apply(function: Callable[[int], None], num_devices: int, parallel: bool = True) -> None:

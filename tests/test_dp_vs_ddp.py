@@ -9,7 +9,17 @@ from torch import nn
 
 from helpers import launch
 from helpers.checks import max_abs_diff
-from helpers.dp import NaiveDataParallel, check_traffic, intersect, merge, overlap, single_device_gradients, subtract
+from helpers.dp import (
+    NaiveDataParallel,
+    check_traffic,
+    intersect,
+    merge,
+    overlap,
+    replicate,
+    single_device_gradients,
+    subtract,
+    torch_replicate_on_cpu,
+)
 from helpers.models import SimpleModel
 
 WORKERS = Path(__file__).resolve().parent.parent / "helpers" / "workers"
@@ -57,6 +67,21 @@ def test_evidence_is_read_from_the_run() -> None:
     assert first["optimizer_state_bytes"] >= 2 * first["weight_bytes"]
     assert (report.reduce["reduce_calls"], report.reduce["devices_summed"]) == (1, 3)
     assert report.reduce["bytes_copied"] == report.reduce["bytes_from_other_devices"] == 2 * first["weight_bytes"]
+
+
+def test_our_replicate_matches_torchs_own_replicate_run_on_cpu() -> None:
+    torch.manual_seed(0)
+    model = SimpleModel()
+    theirs, (ours, _) = torch_replicate_on_cpu(model, 3), replicate(model, 3)
+    images, _ = _batch(4)
+    for device in range(3):
+        assert torch.equal(theirs[device](images), ours[device](images))
+        assert list(theirs[device].parameters()) == [] and not theirs[device].fc1.weight.is_leaf
+    shares = [r.fc1.weight.untyped_storage().data_ptr() == model.fc1.weight.untyped_storage().data_ptr()
+              for r in theirs]
+    assert shares == [True, False, False]
+    theirs[2](images).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
 
 
 def test_naive_data_parallel_training_matches_single_device_over_steps() -> None:
