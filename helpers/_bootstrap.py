@@ -50,10 +50,12 @@ def run_script(script: str, *args: str) -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for stream in (sys.stdout, sys.stderr):
         stream.reconfigure(line_buffering=True)
+    # In fork mode torch was imported before these variables were set; apply them as a fresh
+    # interpreter would (torch/distributed/__init__.py reads TORCH_DISTRIBUTED_DEBUG once, at import).
     if "torch" in sys.modules and "OMP_NUM_THREADS" in os.environ:
-        # In fork mode torch was imported before this variable was set; apply it as a fresh
-        # interpreter would.
         sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    if "torch.distributed" in sys.modules:
+        sys.modules["torch.distributed"].set_debug_level_from_env()
     run_dir = os.environ.get("HELPERS_RUN_DIR")
     me = _run_folder.identity()
     if run_dir:

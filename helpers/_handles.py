@@ -98,7 +98,7 @@ class Agent:
         run_dir, node = spec["run_dir"], spec["node_rank"]
         self.server: LaunchServer | None = None
         self.popen: subprocess.Popen | None = None
-        self.server_start = 0.0
+        self.server_start, self.server_lost, self._pidfd = 0.0, False, None
         if spec["fresh"]:
             spec_path = _run_folder.node_file(run_dir, "spec", node)
             _run_folder.write_json(spec_path, spec)
@@ -107,20 +107,31 @@ class Agent:
                                               stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                               start_new_session=True, env=spec["env"], cwd=spec["cwd"])
             self.pid = self.popen.pid
+            self._pidfd = os.pidfd_open(self.pid) if hasattr(os, "pidfd_open") else None
         else:
             self.server, self.server_start = LaunchServer.get()
             self.pid = self.server.start(spec)
         self.code: int | None = None
 
     def poll(self) -> int | None:
-        """The agent's exit code, None while it runs (a dead server leaves no code: only the pid tells)."""
+        """The agent's exit code, None while it runs. A dead server leaves no code: the agent died with it
+        (PR_SET_PDEATHSIG), and `server_lost` says so."""
         if self.code is None:
             if self.popen is not None:
                 self.code = self.popen.poll()
-            elif self.server.proc.poll() is None:
-                self.code = self.server.poll(self.pid)
-            elif not _run_folder.alive(self.pid):
-                self.code = -int(signal.SIGKILL)  # it died with the server (PR_SET_PDEATHSIG)
+                if self.code is not None and self._pidfd is not None:
+                    os.close(self._pidfd)
+                    self._pidfd = None
+                return self.code
+            try:
+                if self.server.proc.poll() is None:
+                    self.code = self.server.poll(self.pid)
+                    return self.code
+            except RuntimeError:  # the server's pipe closed: it is exiting
+                pass
+            self.server_lost = True
+            if not _run_folder.alive(self.pid):
+                self.code = -int(signal.SIGKILL)
         return self.code
 
     def signal_group(self, sig: int) -> None:
@@ -128,3 +139,17 @@ class Agent:
             os.killpg(self.pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+def sleep_until_news(agents: list[Agent], seconds: float) -> None:
+    """Sleep up to `seconds`, waking at once when an agent exits (the server's message, or a pidfd)."""
+    fds = set()
+    for agent in agents:
+        if agent.code is None and agent.server is not None and agent.server.proc.poll() is None:
+            fds.add(agent.server.proc.stdout.fileno())
+        elif agent.code is None and agent._pidfd is not None:
+            fds.add(agent._pidfd)
+    if fds:
+        select.select(list(fds), [], [], seconds)
+    else:
+        time.sleep(seconds)

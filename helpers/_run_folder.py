@@ -29,6 +29,7 @@ AGENT_OK, AGENT_WORKERS_FAILED, AGENT_ERROR, AGENT_DIED = 0, 1, 2, 3
 # The signal that makes a worker write its Python stacks (faulthandler, installed by the bootstrap).
 STACK_SIGNAL = getattr(signal, "SIGUSR1", None)
 
+REPO_ROOT = Path(__file__).resolve().parent.parent
 _EXTENSIONS = {"workers": "json", "failures": "json", "events": "jsonl", "stacks": "txt"}
 _TORCHRUN_LOG = re.compile(r"attempt_(\d+)[/\\](\d+)[/\\](stdout|stderr)\.log$")
 
@@ -47,6 +48,17 @@ def node_file(run_dir: str | os.PathLike, kind: str, node: int) -> str:
     name = {"spec": "spec_node{}.json", "agent_log": "agent_node{}.log",
             "agent_result": "agent_result_node{}.json", "elastic": "elastic_node{}"}[kind]
     return os.path.join(run_dir, name.format(node))
+
+
+def short_path(path: str | os.PathLike) -> Path:
+    """`path` relative to the working directory or the repository: no machine paths in outputs."""
+    path = Path(os.path.abspath(path))
+    for base in (Path.cwd(), REPO_ROOT):
+        try:
+            return path.relative_to(base)
+        except ValueError:
+            continue
+    return Path(os.path.relpath(path))
 
 
 def write_json(path: str, data: dict) -> None:

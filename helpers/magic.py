@@ -8,6 +8,7 @@
 
 The cell is written to runs/cells/<name>.py and launched with helpers.launch; the Run is stored in
 the variable named by --out (default: last_run). Everything after `--` goes to the script's argv.
+--timeout, --max-restarts, --fresh and --debug mean what launch()'s arguments of those names mean.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, default=None)
     parser.add_argument("--max-restarts", type=int, default=0)
     parser.add_argument("--fresh", action="store_true")
+    parser.add_argument("--debug", action="store_true")
     parser.add_argument("--name", default="cell")
     parser.add_argument("--out", default="last_run")
     return parser
@@ -39,7 +41,7 @@ def parse_line(line: str) -> tuple[argparse.Namespace, list[str]]:
         raise ValueError(f"%%torchrun: {error}") from None
     if unknown:
         raise ValueError(f"%%torchrun: unknown option(s) {' '.join(unknown)}; usage: %%torchrun -n 2 "
-                         f"[--timeout S] [--max-restarts K] [--fresh] [--name NAME] [--out VAR] [-- args]")
+                         f"[--timeout S] [--max-restarts K] [--fresh] [--debug] [--name NAME] [--out VAR] [-- args]")
     return options, script_args
 
 
@@ -50,7 +52,8 @@ def run_cell(line: str, cell: str, namespace: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(cell)
     namespace[options.out] = launch(path, nproc=options.nproc, args=script_args, timeout=options.timeout,
-                                    max_restarts=options.max_restarts, fresh=options.fresh)
+                                    max_restarts=options.max_restarts, fresh=options.fresh,
+                                    debug=options.debug)
 
 
 def register(ipython) -> None:

@@ -1,7 +1,6 @@
 """helpers.launch with real torchrun agents and workers, at the smallest size that shows each behaviour."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -14,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import LaunchInterrupted, LaunchTimeout, WorkerFailed, launch, start, wait
+from helpers import LaunchInterrupted, LaunchTimeout, WorkerFailed, free_port, launch, start, wait
 from helpers._handles import LaunchServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -23,33 +22,11 @@ ALLREDUCE = ROOT / "helpers" / "workers" / "allreduce_demo.py"
 
 
 @pytest.fixture(autouse=True)
-def _runs_in_tmp(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
+def _runs_in_tmp(in_tmp):
+    """Every test here runs in an empty folder of its own."""
 
 
-def worker_pids(log_dir: Path) -> list[int]:
-    return [json.loads(p.read_text())["pid"] for p in Path(log_dir).glob("workers/*.json")]
-
-
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def assert_nothing_left(log_dir: Path) -> None:
-    """No worker of this run and no agent under the launch server is still running."""
-    pids = worker_pids(log_dir)
-    assert pids, "the run registered no workers"
-    assert not [pid for pid in pids if alive(pid)], "workers outlived the launch"
-    server = LaunchServer.instance
-    if server is not None and server.proc.poll() is None:
-        left = [p for p in psutil.Process(server.proc.pid).children(recursive=True) if p.status() != "zombie"]
-        assert not left, f"processes left under the launch server: {left}"
-
-
-def test_success_returns_logs_results_and_folder():
+def test_success_returns_logs_results_and_folder(processes):
     run = launch(ALLREDUCE, nproc=2, echo=False)
     assert sorted(run.logs) == [0, 1]
     assert "after [10.0, 12.0, 14.0, 16.0]" in run.logs[1]
@@ -57,7 +34,7 @@ def test_success_returns_logs_results_and_folder():
     assert {p.name for p in run.log_dir.iterdir()} >= {"rank0.log", "rank1.log"}
     assert "rank 1/2" in (run.log_dir / "rank1.log").read_text()
     assert 0 < run.wall_time < 60
-    assert_nothing_left(run.log_dir)
+    processes.nothing_left(run.log_dir)
 
 
 def test_workers_get_torchrun_environment_and_metrics_round_trip():
@@ -73,7 +50,7 @@ def test_workers_get_torchrun_environment_and_metrics_round_trip():
     assert {row["rank"] for row in run.metrics} == {0, 1}
 
 
-def test_failing_rank_is_named_with_its_traceback_and_nothing_is_left():
+def test_failing_rank_is_named_with_its_traceback_and_nothing_is_left(processes):
     started = time.perf_counter()
     with pytest.raises(WorkerFailed) as caught:
         launch(WORKERS / "crash_in_collective.py", nproc=2, echo=False)
@@ -83,29 +60,29 @@ def test_failing_rank_is_named_with_its_traceback_and_nothing_is_left():
     message = str(error)
     assert message.startswith("rank 1 failed first, with exit code 1")
     assert "ValueError: rank 1 broke on purpose" in message
-    assert 'crash_in_collective.py", line 10' in message
+    assert 'crash_in_collective.py", line 11' in message
     assert "_bootstrap" not in message and "runpy" not in message
     assert str(error.run.log_dir) in message
     assert time.perf_counter() - started < 20
-    assert_nothing_left(error.run.log_dir)
+    processes.nothing_left(error.run.log_dir)
 
 
-def test_timeout_stops_everything_with_a_clear_message():
+def test_timeout_stops_everything_with_a_clear_message(processes):
     started = time.perf_counter()
     with pytest.raises(LaunchTimeout) as caught:
         launch(WORKERS / "sleeper.py", nproc=2, timeout=3, echo=False)
     assert time.perf_counter() - started < 10
     assert "timed out after 3 s" in str(caught.value)
     assert "[rank 1] sleeping" in str(caught.value)
-    assert_nothing_left(caught.value.run.log_dir)
+    processes.nothing_left(caught.value.run.log_dir)
 
 
-def test_worker_ignoring_sigterm_is_killed_anyway():
+def test_worker_ignoring_sigterm_is_killed_anyway(processes):
     started = time.perf_counter()
     with pytest.raises(LaunchTimeout) as caught:
         launch(WORKERS / "sleeper.py", nproc=2, args=["--ignore-sigterm"], timeout=2, echo=False)
     assert time.perf_counter() - started < 12
-    assert_nothing_left(caught.value.run.log_dir)
+    processes.nothing_left(caught.value.run.log_dir)
 
 
 def test_chatty_workers_lose_and_tear_no_line():
@@ -170,10 +147,10 @@ def test_nccl_without_gpus_is_a_clear_worker_error():
     assert "nccl_on_cpu.py" in str(caught.value) and "GPU" in str(caught.value)
 
 
-def test_fresh_interpreters_give_the_same_results():
+def test_fresh_interpreters_give_the_same_results(processes):
     run = launch(ALLREDUCE, nproc=2, fresh=True, echo=False)
     assert run.results[0]["after"] == [10.0, 12.0, 14.0, 16.0]
-    assert_nothing_left(run.log_dir)
+    processes.nothing_left(run.log_dir)
 
 
 LAUNCHING_PROCESS = textwrap.dedent("""
@@ -183,14 +160,14 @@ LAUNCHING_PROCESS = textwrap.dedent("""
 """)
 
 
-def _start_launching_process(tmp_path: Path, worker: str = "sleeper.py", ready: str = "sleeping",
+def _start_launching_process(tmp_path: Path, processes, worker: str = "sleeper.py", ready: str = "sleeping",
                              fresh: bool = False) -> tuple[subprocess.Popen, Path]:
     """A separate Python process (standing in for a kernel) running a long launch."""
     proc = subprocess.Popen([sys.executable, "-c", LAUNCHING_PROCESS, str(WORKERS / worker),
                              "fresh" if fresh else "fork"], cwd=tmp_path, stderr=subprocess.PIPE, text=True)
     run_dir = tmp_path / "the_run"
     deadline = time.monotonic() + 60
-    while len(worker_pids(run_dir)) < 2 or any(ready not in _read(run_dir / f"rank{r}.log") for r in (0, 1)):
+    while len(processes.worker_pids(run_dir)) < 2 or any(ready not in _read(run_dir / f"rank{r}.log") for r in (0, 1)):
         assert time.monotonic() < deadline, "workers did not start"
         time.sleep(0.1)
     return proc, run_dir
@@ -200,26 +177,26 @@ def _read(path: Path) -> str:
     return path.read_text() if path.exists() else ""
 
 
-def test_interrupt_stops_every_rank_within_5_seconds(tmp_path):
-    proc, run_dir = _start_launching_process(tmp_path)
-    pids = worker_pids(run_dir)
+def test_interrupt_stops_every_rank_within_5_seconds(tmp_path, processes):
+    proc, run_dir = _start_launching_process(tmp_path, processes)
+    pids = processes.worker_pids(run_dir)
     interrupted = time.monotonic()
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=10)
     assert "KeyboardInterrupt" in stderr and "Interrupted: stopped every worker" in stderr
-    while any(alive(pid) for pid in pids):
+    while any(processes.alive(pid) for pid in pids):
         assert time.monotonic() - interrupted < 5, "workers survived an interrupt"
         time.sleep(0.05)
 
 
-def test_killed_kernel_leaves_no_worker_alive(tmp_path):
-    proc, run_dir = _start_launching_process(tmp_path)
-    pids = worker_pids(run_dir)
+def test_killed_kernel_leaves_no_worker_alive(tmp_path, processes):
+    proc, run_dir = _start_launching_process(tmp_path, processes)
+    pids = processes.worker_pids(run_dir)
     family = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
     proc.kill()
     proc.wait()
     killed = time.monotonic()
-    while any(alive(pid) for pid in pids + family):
+    while any(processes.alive(pid) for pid in pids + family):
         assert time.monotonic() - killed < 5, "processes outlived the killed kernel"
         time.sleep(0.05)
 
@@ -258,14 +235,14 @@ def test_progress_bar_follows_reported_progress():
     assert shown.splitlines() == [f"rank {rank} |{'█' * 30}| 5/5" for rank in (0, 1)]
 
 
-def test_a_rank_killed_by_a_signal_is_blamed_not_the_peer_it_broke():
+def test_a_rank_killed_by_a_signal_is_blamed_not_the_peer_it_broke(processes):
     with pytest.raises(WorkerFailed) as caught:
         launch(WORKERS / "killed_in_collective.py", nproc=2, echo=False)
     assert caught.value.rank == 1
     # elastic reports the SIGKILL when its poll saw rank 1 die; otherwise the launcher says it had no error
     assert caught.value.exitcode in (-signal.SIGKILL, None)
     assert "SIGKILL" in str(caught.value) or "killed by a signal" in str(caught.value)
-    assert_nothing_left(caught.value.run.log_dir)
+    processes.nothing_left(caught.value.run.log_dir)
 
 
 def test_forked_workers_can_still_initialise_cuda():
@@ -281,7 +258,7 @@ RANK0_WHERE = "waiting in dist.all_reduce at hang_in_collective.py:15 (step 2)"
 RANK1_WHERE = "in time.sleep at hang_in_collective.py:17 (step 2)"
 
 
-def test_timeout_says_where_every_rank_hangs():
+def test_timeout_says_where_every_rank_hangs(processes):
     LaunchServer.get()  # its one-time start is not part of the timeout
     started = time.perf_counter()
     with pytest.raises(LaunchTimeout) as caught:
@@ -296,10 +273,10 @@ def test_timeout_says_where_every_rank_hangs():
     assert 'hang_in_collective.py", line 17' in error.stacks[1]
     assert (error.run.log_dir / "stacks" / "rank0-attempt0.txt").read_text().strip()
     assert elapsed < 10 + 6, f"the diagnosis took {elapsed - 10:.1f} s past the timeout"
-    assert_nothing_left(error.run.log_dir)
+    processes.nothing_left(error.run.log_dir)
 
 
-def test_a_running_job_says_where_its_ranks_are():
+def test_a_running_job_says_where_its_ranks_are(processes):
     job = start(HANG, nproc=2, echo=False)
     deadline = time.monotonic() + 60
     while not all("hanging" in job.folder.lines.get(rank, []) for rank in (0, 1)):
@@ -310,16 +287,119 @@ def test_a_running_job_says_where_its_ranks_are():
     assert job.agent.poll() is None, "asking for stacks must not stop the job"
     with pytest.raises(LaunchTimeout):
         wait([job], timeout=0.1)
-    assert_nothing_left(job.run_dir)
+    processes.nothing_left(job.run_dir)
 
 
 @pytest.mark.parametrize("fresh", [False, True], ids=["forked", "fresh"])
-def test_interrupt_during_a_hang_says_where_every_rank_was(tmp_path, fresh):
-    proc, run_dir = _start_launching_process(tmp_path, "hang_in_collective.py", "hanging", fresh=fresh)
-    pids = worker_pids(run_dir)
+def test_interrupt_during_a_hang_says_where_every_rank_was(tmp_path, fresh, processes):
+    proc, run_dir = _start_launching_process(tmp_path, processes, "hang_in_collective.py", "hanging", fresh=fresh)
+    pids = processes.worker_pids(run_dir)
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=15)
     assert "LaunchInterrupted" in stderr and "Interrupted: stopped every worker" in stderr
     assert f"rank 0: {RANK0_WHERE}" in stderr and f"rank 1: {RANK1_WHERE}" in stderr
-    assert not [pid for pid in pids if alive(pid)]
+    assert not [pid for pid in pids if processes.alive(pid)]
     assert issubclass(LaunchInterrupted, KeyboardInterrupt)
+
+
+# ---------------------------------------------------------------------------- cleanup, blame, settings
+
+SLEEPER = WORKERS / "sleeper.py"
+
+
+def _started(job, processes):
+    """Follow `job` until both of its workers have registered."""
+    deadline = time.monotonic() + 60
+    while len(processes.worker_pids(job.run_dir)) < 2:
+        assert time.monotonic() < deadline, "workers did not start"
+        job.tick()
+        time.sleep(0.05)
+    return job
+
+
+def test_two_nodes_blame_the_rank_that_failed_on_the_other_node(processes):
+    port = free_port()
+    jobs = [start(WORKERS / "crash_in_collective.py", nproc=2, args=[3], nnodes=2, node_rank=node,
+                  rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id="blame", echo=False) for node in (0, 1)]
+    with pytest.raises(WorkerFailed) as caught:
+        wait(jobs, timeout=120)
+    # node 0 comes first in the list and its ranks fail too (lost connections): rank 3 is still the cause
+    assert caught.value.rank == 3 and caught.value.exitcode == 1
+    assert "ValueError: rank 3 broke on purpose" in str(caught.value)
+    assert 'crash_in_collective.py", line 11' in str(caught.value)
+    for job in jobs:
+        processes.nothing_left(job.run_dir)
+
+
+def test_a_dying_launch_server_stops_everything_and_says_so(processes):
+    job = _started(start(SLEEPER, nproc=2, echo=False), processes)
+    LaunchServer.instance.proc.kill()
+    with pytest.raises(RuntimeError, match="the launch server died during the run"):
+        wait([job], timeout=30)
+    assert not [pid for pid in processes.worker_pids(job.run_dir) if processes.alive(pid)]
+    assert not job.folder._rank_logs, "log files were left open"
+
+
+def test_an_agent_dying_without_its_result_file_is_reported(processes):
+    job = _started(start(SLEEPER, nproc=2, echo=False), processes)
+    os.kill(job.agent.pid, signal.SIGKILL)
+    with pytest.raises(WorkerFailed, match="agent exited with code -9 and reported no failed rank"):
+        wait([job], timeout=30)
+    processes.nothing_left(job.run_dir)
+    assert not job.folder._rank_logs, "log files were left open"
+
+
+def test_fresh_mode_failure_and_timeout(processes):
+    with pytest.raises(WorkerFailed) as caught:
+        launch(WORKERS / "crash_in_collective.py", nproc=2, fresh=True, echo=False)
+    assert caught.value.rank == 1 and "ValueError: rank 1 broke on purpose" in str(caught.value)
+    processes.nothing_left(caught.value.run.log_dir)
+    with pytest.raises(LaunchTimeout) as caught:
+        launch(SLEEPER, nproc=2, fresh=True, timeout=20, echo=False)
+    assert caught.value.where == {rank: "in time.sleep at sleeper.py:9" for rank in (0, 1)}
+    processes.nothing_left(caught.value.run.log_dir)
+
+
+@pytest.mark.parametrize("cpus, omp, nproc, expected", [
+    (None, None, 2, "1"),  # no budget: one thread per worker, as torchrun sets it
+    (None, None, 1, None),  # no budget, one worker: torch's own default
+    ("4", None, 2, "2"),  # a budget of 4 CPUs for 2 workers
+    ("3", None, 4, "1"),  # never below one thread
+    ("4", "3", 2, "3"),  # the caller's OMP_NUM_THREADS wins
+])
+def test_workshop_cpu_budget_sets_threads_per_worker(monkeypatch, tmp_path, cpus, omp, nproc, expected):
+    from helpers._spec import worker_env
+
+    for name, value in (("LESSONS_CPUS", cpus), ("OMP_NUM_THREADS", omp)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    assert worker_env(tmp_path, 0, nproc).get("OMP_NUM_THREADS") == expected
+
+
+def test_workshop_cpu_budget_reaches_torch_in_forked_workers(monkeypatch):
+    monkeypatch.setenv("LESSONS_CPUS", "4")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    run = launch(WORKERS / "threads.py", nproc=2, echo=False)
+    assert run.results == {rank: {"omp": "2", "torch_threads": 2} for rank in (0, 1)}
+
+
+def test_debug_names_mismatched_collectives():
+    with pytest.raises(WorkerFailed) as caught:
+        launch(WORKERS / "mismatched_collective.py", nproc=2, debug=True, timeout=60, echo=False)
+    assert "Detected mismatch between collectives on ranks" in str(caught.value)
+    assert "Tensor shapes: 3vs 4" in str(caught.value) or "Tensor shapes: 4vs 3" in str(caught.value)
+
+
+def test_a_worker_importing_helpers_worker_pays_for_nothing_else():
+    code = ("import sys; from helpers.worker import result; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('helpers', 'psutil', 'torch', 'IPython')))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == "['helpers', 'helpers._run_folder', 'helpers.worker']"
+
+
+def test_unsupported_systems_fail_at_once_with_a_clear_message(monkeypatch):
+    monkeypatch.setattr(os, "name", "nt")
+    with pytest.raises(OSError, match=r"Linux and macOS only.*WSL2"):
+        launch(ALLREDUCE, nproc=2)

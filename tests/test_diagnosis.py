@@ -1,0 +1,169 @@
+"""The launcher's diagnosis rules, one table row per rule: pure functions, no processes (milliseconds)."""
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from helpers._diagnosis import (
+    NodeRecord,
+    clean_traceback,
+    diagnose_failure,
+    hang_message,
+    parse_stacks,
+    root_cause,
+    where,
+)
+
+CLOSED = "RuntimeError: [gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:5044"
+RESET = "RuntimeError: Connection reset by peer"
+TIMEOUT = "RuntimeError: [gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 3000ms for recv operation"
+REAL = 'Traceback (most recent call last):\n  File "train.py", line 9, in <module>\nValueError: broke'
+
+
+def tb(text: str, time: float) -> dict:
+    return {"traceback": text, "time": time}
+
+
+def failed(code: int, timestamp: int = 100) -> dict:
+    return {"exitcode": code, "timestamp": timestamp}
+
+
+SIGKILL, SIGTERM, SIGSEGV = -int(signal.SIGKILL), -int(signal.SIGTERM), -int(signal.SIGSEGV)
+
+ROOT_CAUSE_RULES = [
+    # (rule, elastic's failures, bootstrap tracebacks, ranks of the last attempt, expected rank)
+    ("1: the earliest genuine exception, even when a peer symptom came first",
+     {0: failed(1), 1: failed(1)}, {0: tb(CLOSED, 1.0), 1: tb(REAL, 2.0)}, {0, 1}, 1),
+    ("1: of two genuine exceptions, the earlier one",
+     {0: failed(1), 1: failed(1)}, {0: tb(REAL, 5.0), 1: tb(REAL, 4.0)}, {0, 1}, 1),
+    ("1: a collective timeout is the waiting rank's own error, not a peer symptom",
+     {0: failed(1), 1: failed(SIGTERM)}, {0: tb(TIMEOUT, 3.0)}, {0, 1}, 0),
+    ("2: a rank killed by a signal we did not send, over the peer it broke",
+     {0: failed(1), 1: failed(SIGKILL)}, {0: tb(CLOSED, 1.0)}, {0, 1}, 1),
+    ("2: of two signalled ranks, the earlier one",
+     {1: failed(SIGKILL, 101), 2: failed(SIGSEGV, 100)}, {0: tb(RESET, 1.0)}, {0, 1, 2}, 2),
+    ("2: SIGTERM is ours (stopping the group), never the cause",
+     {0: failed(1), 1: failed(SIGTERM)}, {0: tb(CLOSED, 1.0)}, {0, 1, 2}, 2),
+    ("3: only peer symptoms: the rank that left without an error",
+     {0: failed(1)}, {0: tb(CLOSED, 1.0)}, {0, 1}, 1),
+    ("4: only peer symptoms and nobody silent: the earliest of them",
+     {0: failed(1), 1: failed(1)}, {0: tb(CLOSED, 2.0), 1: tb(RESET, 1.0)}, {0, 1}, 1),
+    ("5: no traceback at all: elastic's order, SIGTERMed ranks last",
+     {0: failed(SIGTERM, 100), 1: failed(2, 101)}, {}, {0, 1}, 1),
+    ("5: no traceback at all, same time: the lower rank",
+     {3: failed(1, 100), 2: failed(1, 100)}, {}, {2, 3}, 2),
+]
+
+
+@pytest.mark.parametrize("rule, failures, tracebacks, ranks, expected", ROOT_CAUSE_RULES,
+                         ids=[row[0] for row in ROOT_CAUSE_RULES])
+def test_root_cause_rules(rule, failures, tracebacks, ranks, expected):
+    assert root_cause(failures, tracebacks, ranks) == expected
+
+
+def test_failure_across_nodes_names_the_rank_on_the_other_node():
+    """Rank 3 (node 1) raises; node 0's ranks only lost their connections: blame rank 3."""
+    node0 = NodeRecord(1, {"ok": False, "failures": {"0": failed(1), "1": failed(1)}},
+                       {0: tb(CLOSED, 2.0), 1: tb(CLOSED, 2.1)}, {0, 1}, log_dir="runs/node0", node=0)
+    node1 = NodeRecord(1, {"ok": False, "failures": {"3": failed(1)}}, {3: tb(REAL, 1.5)}, {2, 3},
+                       log_dir="runs/node1", node=1)
+    found = diagnose_failure([node0, node1])
+    assert (found.rank, found.exitcode, found.node) == (3, 1, 1)
+    assert found.message.startswith("rank 3 failed first, with exit code 1")
+    assert "ValueError: broke" in found.message and "runs/node1/" in found.message
+
+
+@pytest.mark.parametrize("record, words", [
+    (NodeRecord(2, {"ok": False, "agent_error": "Traceback ...\nRendezvousError: no"}, {}, set()),
+     "the torchrun agent of node 0 itself failed"),
+    (NodeRecord(-9, {}, {}, {0, 1}), "the torchrun agent exited with code -9 and reported no failed rank"),
+])
+def test_agent_level_failures(record, words):
+    found = diagnose_failure([record])
+    assert words in found.message and found.rank is None
+
+
+def test_a_silent_rank_shows_its_last_lines():
+    record = NodeRecord(1, {"failures": {"0": failed(1)}}, {0: tb(CLOSED, 1.0)}, {0, 1},
+                        logs={1: "step 1\nstep 2\n"})
+    found = diagnose_failure([record])
+    assert found.rank == 1 and found.exitcode is None
+    assert "no Python error" in found.message and "last lines of output" in found.message and "step 2" in found.message
+
+
+def test_clean_traceback_drops_launcher_frames_and_machine_paths():
+    text = ('Traceback (most recent call last):\n'
+            '  File "/opt/py/lib/python3.11/runpy.py", line 291, in run_path\n    code\n'
+            '  File "/home/me/repo/helpers/_bootstrap.py", line 80, in run_script\n    runpy.run_path(script)\n'
+            '  File "/home/me/repo/train.py", line 9, in <module>\n    dist.all_reduce(t)\n'
+            '  File "/home/me/.venv/lib/python3.11/site-packages/torch/distributed/c10d_logger.py", line 83\n'
+            'ValueError: broke\n')
+    cleaned = clean_traceback(text, ("/home/me/repo",))
+    assert "runpy" not in cleaned and "_bootstrap" not in cleaned
+    assert '"train.py", line 9' in cleaned and '".../site-packages/torch/distributed/c10d_logger.py"' in cleaned
+
+
+# ---------------------------------------------------------------------------- hangs
+
+SITE = "/venv/lib/python3.11/site-packages"
+STDLIB = "/py/lib/python3.11"
+
+
+def dump(*threads: list[tuple[str, int, str]]) -> str:
+    """A faulthandler dump: threads listed newest first, the current one marked."""
+    parts = []
+    for i, frames in enumerate(threads):
+        head = "Current thread" if i == len(threads) - 1 else "Thread"
+        lines = "".join(f'  File "{file}", line {line} in {func}\n' for file, line, func in frames)
+        parts.append(f"{head} 0x00007f{i:010x} (most recent call first):\n{lines}")
+    return "\n".join(parts)
+
+
+SCRIPT = "/repo/train.py"
+FORKED_BELOW = [("/repo/helpers/_bootstrap.py", 80, "run_script"), (f"{STDLIB}/runpy.py", 291, "run_path"),
+                ("/repo/helpers/_agent.py", 70, "run_agent"), ("/repo/helpers/_server.py", 50, "_start_agent")]
+SOURCE = {(SCRIPT, 57): "        time.sleep(120)", (SCRIPT, 60): "    total = 0", (SCRIPT, 61): "x = y"}
+
+WHERE_RULES = [
+    ("a collective: named as dist.<function>, through c10d_logger's wrapper",
+     dump([(f"{SITE}/torch/distributed/distributed_c10d.py", 3913, "all_reduce"),
+           (f"{SITE}/torch/distributed/c10d_logger.py", 83, "wrapper"), (SCRIPT, 42, "step"),
+           (SCRIPT, 70, "<module>"), *FORKED_BELOW]), 7, "waiting in dist.all_reduce at train.py:42 (step 7)"),
+    ("a call into C has no frame: its name comes from the source line",
+     dump([(SCRIPT, 57, "<module>"), *FORKED_BELOW]), None, "in time.sleep at train.py:57"),
+    ("the main thread is the one running the script, not a helper thread",
+     dump([(f"{STDLIB}/threading.py", 324, "wait"), (f"{STDLIB}/threading.py", 1002, "_bootstrap")],
+          [(SCRIPT, 57, "<module>")]), None, "in time.sleep at train.py:57"),
+    ("a library call that is not a collective: file.function, skipping calls that only forward",
+     dump([(f"{SITE}/torch/nn/modules/linear.py", 125, "forward"),
+           (f"{SITE}/torch/nn/modules/module.py", 1775, "_call_impl"),
+           (f"{SITE}/torch/nn/modules/module.py", 1764, "_wrapped_call_impl"), (SCRIPT, 30, "<module>")]),
+     None, "in linear.forward at train.py:30"),
+    ("a collective deep inside a library (DDP's forward): still the collective",
+     dump([(f"{SITE}/torch/distributed/distributed_c10d.py", 4500, "broadcast"),
+           (f"{SITE}/torch/distributed/utils.py", 280, "_sync_module_states"),
+           (f"{SITE}/torch/nn/parallel/distributed.py", 900, "__init__"), (SCRIPT, 20, "<module>")]),
+     None, "waiting in dist.broadcast at train.py:20"),
+    ("plain Python on the learner's line, no call: running",
+     dump([(SCRIPT, 61, "<module>")]), 3, "running at train.py:61 (step 3)"),
+    ("nothing in the dump (the process did not answer)", "", None, "no Python stack (the process did not answer)"),
+]
+
+
+@pytest.mark.parametrize("rule, text, step, expected", WHERE_RULES, ids=[row[0] for row in WHERE_RULES])
+def test_where_rules(rule, text, step, expected):
+    read_line = lambda file, line: SOURCE.get((file, line), "")  # noqa: E731
+    assert where(text, SCRIPT, (STDLIB,), step, read_line) == expected
+
+
+def test_parse_stacks_splits_threads_innermost_first():
+    threads = parse_stacks(dump([(STDLIB + "/threading.py", 1, "run")], [(SCRIPT, 2, "f"), (SCRIPT, 3, "<module>")]))
+    assert threads == [[(STDLIB + "/threading.py", 1, "run")], [(SCRIPT, 2, "f"), (SCRIPT, 3, "<module>")]]
+
+
+def test_hang_message_lists_every_rank():
+    places = {0: "waiting in dist.all_reduce at t.py:4", 1: "in time.sleep at t.py:6"}
+    text = hang_message("timed out after 3 s", places, {0: "a\nb\n", 1: ""}, "runs/x")
+    assert "  rank 0: waiting in dist.all_reduce at t.py:4\n  rank 1: in time.sleep at t.py:6" in text
+    assert "[rank 0] b" in text and "[rank 1] (no output)" in text and "runs/x/stacks/" in text

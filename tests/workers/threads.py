@@ -1,0 +1,8 @@
+"""Reports the threads torch uses in this worker, and OMP_NUM_THREADS."""
+import os
+
+import torch
+
+from helpers.worker import result
+
+result(omp=os.environ.get("OMP_NUM_THREADS"), torch_threads=torch.get_num_threads())
