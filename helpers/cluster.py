@@ -14,10 +14,13 @@ client's models (generated from the API's OpenAPI spec) for core resources; `kub
 PyTorchJob and `kubeflow_trainer_api.models` for TrainJob. A round trip through the model and back catches
 misspelled fields, which the models would otherwise drop silently.
 
-GPU sharing follows HAMi: `nvidia.com/gpu` (virtual GPUs), `nvidia.com/gpumem` (MiB of device memory each),
-`nvidia.com/gpucores` (percent of one GPU's cores each), scheduler `hami-scheduler`: the defaults of HAMi's
-chart (charts/hami/values.yaml). With Volcano, HAMi's volcano-vgpu-device-plugin uses `volcano.sh/vgpu-number`,
-`volcano.sh/vgpu-memory` and `volcano.sh/vgpu-cores`, and Volcano's scheduler places the pods.
+GPU sharing follows HAMi: `nvidia.com/gpu` (virtual GPUs), `nvidia.com/gpumem` (MiB of device memory each) or
+`nvidia.com/gpumem-percentage`, `nvidia.com/gpucores` (percent of one GPU's cores each), `nvidia.com/priority`,
+scheduler `hami-scheduler`: the defaults of HAMi's chart (charts/hami/values.yaml). HAMi's admission webhook
+(pkg/scheduler/webhook.go) sets `schedulerName: hami-scheduler` on pods that ask for these names and name no
+scheduler (or the default one); the generators set it anyway, so the files also work without the webhook.
+With Volcano, HAMi's volcano-vgpu-device-plugin uses `volcano.sh/vgpu-number`, `volcano.sh/vgpu-memory` (or
+`volcano.sh/vgpu-memory-percentage`) and `volcano.sh/vgpu-cores`, and Volcano's scheduler places the pods.
 """
 from __future__ import annotations
 
@@ -32,12 +35,16 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 RENDEZVOUS_PORT = 29500
 HAMI_SCHEDULER = "hami-scheduler"
 VOLCANO_SCHEDULER = "volcano"
-HAMI_NAMES = {"count": "nvidia.com/gpu", "memory": "nvidia.com/gpumem", "cores": "nvidia.com/gpucores"}
+HAMI_NAMES = {"count": "nvidia.com/gpu", "memory": "nvidia.com/gpumem", "cores": "nvidia.com/gpucores",
+              "memory_percent": "nvidia.com/gpumem-percentage", "priority": "nvidia.com/priority"}
 VOLCANO_VGPU_NAMES = {"count": "volcano.sh/vgpu-number", "memory": "volcano.sh/vgpu-memory",
-                      "cores": "volcano.sh/vgpu-cores"}
+                      "cores": "volcano.sh/vgpu-cores", "memory_percent": "volcano.sh/vgpu-memory-percentage"}
+_SHARES = ("memory", "memory_percent", "cores")
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 PYTORCHJOB_CONTAINER = "pytorch"  # the container the training operator configures (kubeflow.training.constants)
 PYTORCHJOB_PORT_NAME = "pytorchjob-port"  # the port it reads MASTER_PORT from (PytorchJobDefaultPortName)
+# c10d's own default port (DEFAULT_PORT in torch/distributed/elastic/rendezvous/c10d_rendezvous_backend.py) is
+# 29400; 29500 is torchrun's default --master-port (static backend). Any free port works when it is spelled out.
 TRAINER_RUNTIME, TRAINER_JOB, TRAINER_CONTAINER = "torch-distributed", "node", "node"  # Trainer v2's torch runtime
 TRAINER_PATCH_MANAGER = "lessons.example.com/job-files"  # who owns our runtime patch (any unique name)
 _BASE_RESOURCES = {"cpu", "memory", "ephemeral-storage"}
@@ -102,8 +109,8 @@ def slurm_script(script: str, size: JobSize, args: tuple | list = (), job_name: 
 def check_slurm_script(text: str) -> list[str]:
     """Parse the script as bash, SLURM and torchrun would; return the torchrun arguments it passes.
 
-    Also checks the CPU arithmetic: srun passes --cpus-per-task on to the agent, and the threads of all of
-    a node's workers (OMP_NUM_THREADS x --nproc-per-node) fit in it.
+    Also checks the arithmetic: one torchrun process per allocated GPU; srun passes --cpus-per-task on to the
+    agent, and the threads of all of a node's workers (OMP_NUM_THREADS x --nproc-per-node) fit in it.
     """
     from torch.distributed.run import get_args_parser
 
@@ -131,6 +138,10 @@ def check_slurm_script(text: str) -> list[str]:
         parsed = get_args_parser().parse_args(arguments)  # torchrun's own parser
     except SystemExit:
         raise ValueError(f"torchrun rejects its arguments: {' '.join(arguments)}") from None
+    gpus = sbatch.get("gpus-per-node")
+    if gpus is not None and str(parsed.nproc_per_node) != gpus:
+        raise ValueError(f"--nproc-per-node={parsed.nproc_per_node} but #SBATCH --gpus-per-node={gpus}: one process "
+                         f"per GPU, or some GPUs idle (or two processes share one, which NCCL refuses)")
     threads = re.search(r"^export OMP_NUM_THREADS=(\d+)$", text, re.MULTILINE)
     if threads and int(threads[1]) * int(parsed.nproc_per_node) > int(sbatch.get("cpus-per-task", 1)):
         raise ValueError(f"OMP_NUM_THREADS={threads[1]} x {parsed.nproc_per_node} processes oversubscribe "
@@ -241,7 +252,8 @@ def pytorch_job(name: str, image: str, script: str, size: JobSize, args: tuple |
     replicas = {"Master": replica(1)}
     if size.nodes > 1:
         replicas["Worker"] = replica(size.nodes - 1)
-    # runPolicy is required by the operator's schema; backoffLimit: pod restarts before the job is failed
+    # runPolicy: optional in the CRD, but the SDK's model (kubeflow.training) requires it; backoffLimit: pod
+    # restarts before the job is marked failed
     spec: dict[str, Any] = {"nprocPerNode": str(size.gpus_per_node), "pytorchReplicaSpecs": replicas,
                             "runPolicy": {"backoffLimit": size.max_restarts}}
     if gang == "volcano":
@@ -276,10 +288,43 @@ def train_job(name: str, image: str, script: str, size: JobSize, args: tuple | l
             "spec": {"runtimeRef": {"name": TRAINER_RUNTIME}, "trainer": trainer, "runtimePatches": [patch]}}
 
 
+INDEXED_IS_HOST = '--rdzv-conf=is_host=$([ "$JOB_COMPLETION_INDEX" = 0 ] && echo 1 || echo 0)'
+
+
+def indexed_command(script: str, size: JobSize, endpoint: str, job_id: str, args: tuple | list = ()) -> list[str]:
+    """The Indexed Job's container command: torchrun under `sh -c`, so that pod 0 (JOB_COMPLETION_INDEX=0,
+    set by the Job controller) is told to host the c10d store (is_host=1) and every other pod is not.
+
+    Without is_host the agent guesses (_matches_machine_hostname in torch/distributed/elastic/rendezvous/
+    utils.py): it resolves the endpoint's DNS name and compares it with its own addresses. If pod 0 starts
+    before its DNS record exists, the guess is "not me", and every agent waits for a store nobody hosts.
+    """
+    words = [shlex.quote(word) for word in torchrun_command(script, size, endpoint, job_id, args)]
+    at = words.index(shlex.quote(script))
+    return ["sh", "-c", " ".join(["exec", *words[:at], INDEXED_IS_HOST, *words[at:]])]
+
+
+def check_indexed_command(command: list[str], index: int) -> Any:
+    """Run the Indexed Job's `sh -c` line as pod `index` would, with torchrun swapped for printf, and parse
+    the words it would pass with torchrun's own parser; return the parsed arguments."""
+    from torch.distributed.run import get_args_parser
+
+    if command[:2] != ["sh", "-c"] or not command[2].startswith("exec torchrun "):
+        raise ValueError(f"expected ['sh', '-c', 'exec torchrun ...'], got {command[:3]!r}")
+    line = "printf '%s\\n' " + command[2].removeprefix("exec torchrun ")
+    shown = subprocess.run(["sh", "-c", line], check=True, capture_output=True, text=True,
+                           env={"JOB_COMPLETION_INDEX": str(index), "PATH": "/usr/bin:/bin"})
+    try:
+        return get_args_parser().parse_args(shown.stdout.splitlines())
+    except SystemExit:
+        raise ValueError(f"torchrun rejects: {shown.stdout!r}") from None
+
+
 def indexed_job(name: str, image: str, script: str, size: JobSize, args: tuple | list = (),
                 gang: str | None = None, queue: str = "default") -> dict:
     """Plain Kubernetes: an Indexed Job (one pod per node) plus a headless Service that gives pod 0 a
-    stable DNS name, `<name>-0.<name>`: the rendezvous endpoint, hosted by pod 0's torchrun agent.
+    stable DNS name, `<name>-0.<name>`: the rendezvous endpoint, hosted by pod 0's torchrun agent
+    (is_host=1 from JOB_COMPLETION_INDEX, see indexed_command).
 
     publishNotReadyAddresses: the Service publishes pod DNS records before the pods are Ready, so the
     agents can find pod 0 while they all start. gang="kueue": the queue label (Volcano would need a
@@ -288,7 +333,7 @@ def indexed_job(name: str, image: str, script: str, size: JobSize, args: tuple |
     if gang == "volcano":
         raise ValueError("an Indexed Job needs a separate Volcano PodGroup; use gang='kueue' or a PyTorchJob")
     endpoint = f"{name}-0.{name}:{RENDEZVOUS_PORT}"
-    command = torchrun_command(script, size, endpoint, name, args)
+    command = indexed_command(script, size, endpoint, name, args)
     pod = _pod_spec(_container(PYTORCHJOB_CONTAINER, command, image, size, gang, "c10d"), size, "Never", gang)
     pod["subdomain"] = name  # pod DNS names live under the headless Service
     job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": _metadata(name, gang, queue),
@@ -338,7 +383,9 @@ def validate(manifest: dict, model: str) -> Any:
 
 def validate_pytorch_job(manifest: dict) -> int:
     """Check a PyTorchJob with the Training Operator's own models (kubeflow.training.models, generated from
-    its CRD), and what the operator relies on: one Master, the `pytorch` container, its `pytorchjob-port`.
+    its API types), and what the operator relies on: one Master, the `pytorch` container in every replica,
+    and the Master's `pytorchjob-port`, from which the operator sets MASTER_PORT / PET_MASTER_PORT for all
+    pods (getPortFromPyTorchJob in pkg/controller.v1/pytorch/envvar.go reads the Master's template only).
     Returns the number of replica templates checked."""
     from kubeflow.training.api_client import ApiClient
 
@@ -354,8 +401,11 @@ def validate_pytorch_job(manifest: dict) -> int:
         if container is None:
             raise ValueError(f"{role}: no container named {PYTORCHJOB_CONTAINER!r}; the operator configures "
                              f"only that one")
-        if PYTORCHJOB_PORT_NAME not in [port.get("name") for port in container.get("ports", [])]:
-            raise ValueError(f"{role}: no port named {PYTORCHJOB_PORT_NAME!r}; the operator takes MASTER_PORT from it")
+        ports = [port.get("name") for port in container.get("ports", [])]
+        if role == "Master" and PYTORCHJOB_PORT_NAME not in ports:
+            raise ValueError(f"Master: no port named {PYTORCHJOB_PORT_NAME!r}; the operator takes MASTER_PORT from "
+                             f"it (and adds its default, 23456, when it is missing: a port under another name is "
+                             f"never used)")
         check_gpu_resources(pod)
     return len(replicas)
 
@@ -382,23 +432,29 @@ def validate_train_job(manifest: dict) -> Any:
 
 def check_gpu_resources(pod: dict, scheduler_set_elsewhere: bool = False) -> None:
     """The GPU resource names of a pod are ones HAMi (or Volcano's vGPU plugin) serves, in `limits`, with the
-    count beside any share, a share within bounds, and the scheduler that understands them."""
+    count beside any share, a share within bounds, and a scheduler that understands them: for HAMi's names
+    hami-scheduler, or none / the default one (HAMi's webhook then sets hami-scheduler); for Volcano's,
+    volcano (no webhook sets it)."""
     for container in pod.get("containers", []):
         resources = container.get("resources", {})
         limits, requests = resources.get("limits", {}), resources.get("requests", {})
-        for names, scheduler in ((HAMI_NAMES, HAMI_SCHEDULER), (VOLCANO_VGPU_NAMES, VOLCANO_SCHEDULER)):
-            shares = [names[kind] for kind in ("memory", "cores") if names[kind] in limits]
+        for names, schedulers in ((HAMI_NAMES, (HAMI_SCHEDULER, None, "default-scheduler")),
+                                  (VOLCANO_VGPU_NAMES, (VOLCANO_SCHEDULER,))):
+            shares = [names[kind] for kind in _SHARES if names[kind] in limits]
             if shares and names["count"] not in limits:
                 raise ValueError(f"{shares} without {names['count']}: a share is per GPU, the count is needed")
-            cores = limits.get(names["cores"])
-            if cores is not None and not 0 < int(cores) <= 100:
-                raise ValueError(f"{names['cores']}={cores}: a percent of one GPU, 1..100")
-            if shares and pod.get("schedulerName") != scheduler and not scheduler_set_elsewhere:
-                raise ValueError(f"{shares} need schedulerName {scheduler!r}, got {pod.get('schedulerName')!r}")
+            for kind in ("cores", "memory_percent"):
+                percent = limits.get(names[kind])
+                if percent is not None and not 0 < int(percent) <= 100:
+                    raise ValueError(f"{names[kind]}={percent}: a percent of one GPU, 1..100")
+            if shares and pod.get("schedulerName") not in schedulers and not scheduler_set_elsewhere:
+                raise ValueError(f"{shares} need schedulerName {schedulers[0]!r}, got {pod.get('schedulerName')!r}: "
+                                 f"that scheduler does not know these names")
         known = _BASE_RESOURCES | set(HAMI_NAMES.values()) | set(VOLCANO_VGPU_NAMES.values())
         for key in [*limits, *requests]:
             if key not in known:
-                raise ValueError(f"unknown resource name {key!r}; HAMi's are {sorted(HAMI_NAMES.values())}")
+                raise ValueError(f"unknown resource name {key!r}; HAMi's NVIDIA names are "
+                                 f"{sorted(HAMI_NAMES.values())}")
         gpu_requests = [key for key in requests if key not in _BASE_RESOURCES]
         if gpu_requests:
             raise ValueError(f"{gpu_requests} belong in limits: extended resources are set there")

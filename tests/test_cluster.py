@@ -11,6 +11,7 @@ from helpers.cluster import (
     HAMI_SCHEDULER,
     KUEUE_QUEUE_LABEL,
     JobSize,
+    check_indexed_command,
     check_slurm_script,
     dockerfile,
     indexed_job,
@@ -44,6 +45,7 @@ def test_slurm_script_passes_bash_and_torchrun_parsers():
     (("head -n 1)", "head -n 1"), "bash rejects"),
     (("srun --cpus-per-task=$SLURM_CPUS_PER_TASK ", "srun "), "does not pass --cpus-per-task"),
     (("OMP_NUM_THREADS=4", "OMP_NUM_THREADS=8"), "oversubscribe"),
+    (("--nproc-per-node=2", "--nproc-per-node=4"), "gpus-per-node=2"),
 ])
 def test_slurm_check_catches_mistakes(change, words):
     text = slurm_script("train.py", SHARED).replace(*change)
@@ -60,7 +62,11 @@ def test_indexed_job_and_service_match_the_schema_with_hami_requests():
     assert pod.scheduler_name == HAMI_SCHEDULER and pod.subdomain == "ddp"
     limits = pod.containers[0].resources.limits
     assert limits == {"nvidia.com/gpu": "2", "nvidia.com/gpumem": "4000", "nvidia.com/gpucores": "25", "cpu": "8"}
-    assert "--rdzv-endpoint=ddp-0.ddp:29500" in pod.containers[0].command
+    # pod 0 hosts the c10d store because it is told so (is_host from JOB_COMPLETION_INDEX), not by a DNS guess
+    hosts = {index: check_indexed_command(pod.containers[0].command, index) for index in range(3)}
+    assert {index: parsed.rdzv_conf for index, parsed in hosts.items()} == {0: "is_host=1", 1: "is_host=0",
+                                                                              2: "is_host=0"}
+    assert all(parsed.rdzv_endpoint == "ddp-0.ddp:29500" and parsed.nnodes == "3" for parsed in hosts.values())
     service = manifests["service"]["spec"]
     assert service["clusterIP"] == "None" and service["publishNotReadyAddresses"] is True
 
@@ -110,14 +116,18 @@ def _worker_container(job: dict) -> dict:
     return job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
 
 
+def _master_container(job: dict) -> dict:
+    return job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
+
+
 def test_pytorch_job_check_uses_the_operators_models_and_what_it_reads():
     misspelled = pytorch_job("ddp", IMAGE, "train.py", SHARED)
     misspelled["spec"]["runPolicy"]["backofLimit"] = 2  # a CRD field: only the operator's model knows it
     with pytest.raises(ValueError, match="backofLimit: unknown field"):
         validate_pytorch_job(misspelled)
     dead_port = pytorch_job("ddp", IMAGE, "train.py", SHARED)
-    _worker_container(dead_port)["ports"][0]["name"] = "rendezvous"
-    with pytest.raises(ValueError, match="pytorchjob-port"):
+    _master_container(dead_port)["ports"][0]["name"] = "rendezvous"  # MASTER_PORT comes from the Master's port
+    with pytest.raises(ValueError, match="Master: no port named 'pytorchjob-port'"):
         validate_pytorch_job(dead_port)
     renamed = pytorch_job("ddp", IMAGE, "train.py", SHARED)
     _worker_container(renamed)["name"] = "trainer"
@@ -128,6 +138,7 @@ def test_pytorch_job_check_uses_the_operators_models_and_what_it_reads():
 @pytest.mark.parametrize("key, value, words", [
     ("nvidia.com/gpu-mem", "4000", "unknown resource name"),
     ("nvidia.com/gpucores", "150", "1..100"),
+    ("nvidia.com/gpumem-percentage", "150", "1..100"),
 ])
 def test_hami_resource_names_and_bounds_are_checked(key, value, words):
     job = pytorch_job("ddp", IMAGE, "train.py", SHARED)
@@ -136,11 +147,25 @@ def test_hami_resource_names_and_bounds_are_checked(key, value, words):
         validate_pytorch_job(job)
 
 
-def test_gpu_shares_need_the_scheduler_that_knows_them():
+def test_all_of_hamis_nvidia_names_are_accepted():
+    job = pytorch_job("ddp", IMAGE, "train.py", SHARED)
+    limits = _worker_container(job)["resources"]["limits"]
+    del limits["nvidia.com/gpumem"]
+    limits.update({"nvidia.com/gpumem-percentage": "50", "nvidia.com/priority": "1"})
+    assert validate_pytorch_job(job) == 2
+
+
+def test_gpu_shares_need_a_scheduler_that_knows_them():
     job = indexed_job("ddp", IMAGE, "train.py", SHARED)["job"]
     del job["spec"]["template"]["spec"]["schedulerName"]
+    validate(job, "V1Job")  # no scheduler named: HAMi's admission webhook sets hami-scheduler
+    job["spec"]["template"]["spec"]["schedulerName"] = "volcano"
     with pytest.raises(ValueError, match="hami-scheduler"):
         validate(job, "V1Job")
+    volcano = pytorch_job("ddp", IMAGE, "train.py", SHARED, gang="volcano")
+    del volcano["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["schedulerName"]
+    with pytest.raises(ValueError, match="'volcano'"):
+        validate_pytorch_job(volcano)
 
 
 def test_gang_scheduling_fields():
