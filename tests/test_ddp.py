@@ -106,7 +106,7 @@ def test_uneven_inputs_break_without_join_and_finish_with_it():
 
 def test_step_time_pins_the_thread_count_it_reports():
     run = launch(WORKERS / "ddp_step_time.py", nproc=1, echo=False,
-                 args=["--model", "simple", "--threads", 1, 2, "--steps", 2, "--warmup", 1, "--repeats", 2])
+                 args=["--model", "simple", "--threads", 1, 2, "--block-steps", 2, "--warmup", 1, "--repeats", 2])
     blocks = run.results[0]["blocks"]
     assert sorted(blocks) == ["simple, 1 rank(s) x 1 thread(s)", "simple, 1 rank(s) x 2 thread(s)"]
     assert all(len(times) == 2 and min(times) > 0 for times in blocks.values())

@@ -5,7 +5,7 @@
 
 A step is forward, backward (with DDP: the gradient all-reduce) and the optimizer step, on a batch
 already in memory: no data loading, no start-up, no evaluation. The thread count is set with
-torch.set_num_threads, not inherited. Each block times --steps steps after --warmup untimed ones;
+torch.set_num_threads, not inherited. Each block times --block-steps steps after --warmup untimed ones;
 the blocks cycle through models and thread counts --repeats times, so that a busy moment on the
 machine hits every setting alike. Reports every block's median step time, in seconds.
 """
@@ -42,7 +42,7 @@ def main() -> None:
     parser.add_argument("--model", nargs="+", default=["simple", "cnn"], choices=["simple", "cnn"])
     parser.add_argument("--threads", nargs="+", type=int, default=[1])
     parser.add_argument("--global-batch", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per block")
+    parser.add_argument("--block-steps", type=int, default=10, help="timed steps per block")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
@@ -64,7 +64,7 @@ def main() -> None:
                 torch.set_num_threads(threads)
                 label = f"{name}, {world_size} rank(s) x {torch.get_num_threads()} thread(s)"
                 blocks.setdefault(label, []).append(block_median(model, optimizer, images, labels,
-                                                                 args.steps, args.warmup))
+                                                                 args.block_steps, args.warmup))
     result(blocks=blocks, per_rank_batch=per_rank_batch, world_size=world_size, device=device.type)
     dist.destroy_process_group()
 
