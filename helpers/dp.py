@@ -53,18 +53,23 @@ class Broadcast(torch.autograd.Function):
     def forward(ctx, log: dict, num_devices: int, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.log, ctx.num_devices, ctx.num_params = log, num_devices, len(params)
         copies = [p.clone() for _ in range(num_devices - 1) for p in params]
-        log["bytes_copied"] = sum(c.numel() * c.element_size() for c in copies)
+        log["bytes_copied"] = _nbytes(copies)
         return (*params, *copies)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        began, k = time.perf_counter(), ctx.num_params
+        k = ctx.num_params
         per_device = [grads[d * k:(d + 1) * k] for d in range(ctx.num_devices)]
         summed = [torch.stack(same_param).sum(0) for same_param in zip(*per_device, strict=True)]
         ctx.log.update(reduce_thread=threading.current_thread().name, reduce_calls=ctx.log.get("reduce_calls", 0) + 1,
-                       devices_summed=len(per_device), reduce_began=began,
-                       bytes_from_other_devices=sum(g.numel() * g.element_size() for g in grads[k:]))
+                       devices_summed=len(per_device), bytes_from_other_devices=_nbytes(grads[k:]))
         return (None, None, *summed)
+
+
+def _broadcast(tensors: Sequence[torch.Tensor], num_devices: int, log: dict | None = None) -> list[list]:
+    """Broadcast.apply, its outputs cut into one list per device."""
+    flat = Broadcast.apply({} if log is None else log, num_devices, *tensors)
+    return [list(flat[d * len(tensors):(d + 1) * len(tensors)]) for d in range(num_devices)]
 
 
 def replicate(module: nn.Module, num_devices: int, log: dict | None = None) -> tuple[list[nn.Module], list[list]]:
@@ -75,8 +80,7 @@ def replicate(module: nn.Module, num_devices: int, log: dict | None = None) -> t
     Buffers are shared, not broadcast (the models here have none). Returns the replicas and their weights.
     """
     params = list(module.parameters())
-    flat = Broadcast.apply({} if log is None else log, num_devices, *params)
-    weights = [list(flat[d * len(params):(d + 1) * len(params)]) for d in range(num_devices)]
+    weights = _broadcast(params, num_devices, log)
     index = {p: i for i, p in enumerate(params)}
     replicas = []
     for device in range(num_devices):
@@ -97,11 +101,8 @@ def torch_replicate_on_cpu(module: nn.Module, num_devices: int) -> list[nn.Modul
     that runs is torch's own. Devices are given as indices, which replicate() accepts without a GPU.
     """
     def broadcast_on_cpu(tensors, devices, detach=False):
-        if not tensors:
-            return []
-        flat = Broadcast.apply({}, len(devices), *tensors)
-        flat = [t.detach() for t in flat] if detach else flat
-        return [list(flat[d * len(tensors):(d + 1) * len(tensors)]) for d in range(len(devices))]
+        copies = _broadcast(tensors, len(devices)) if tensors else []
+        return [[t.detach() for t in device] for device in copies] if detach else copies
 
     replicate_py = sys.modules["torch.nn.parallel.replicate"]  # the module; torch.nn.parallel.replicate is the function
     with mock.patch.object(replicate_py, "_broadcast_coalesced_reshape", broadcast_on_cpu):
@@ -151,7 +152,6 @@ class StepReport:
     phase_seconds: dict[str, float]
     per_device: list[dict[str, float | str]] = field(default_factory=list)
     reduce: dict = field(default_factory=dict)
-    loss_phase_cpu_seconds: float = 0.0
 
 
 class NaiveDataParallel:
@@ -191,10 +191,8 @@ class NaiveDataParallel:
         seconds["forward"], start = clock() - start, clock()
         gathered = gather(outputs)
         seconds["gather"], start = clock() - start, clock()
-        cpu_start = time.thread_time()
         loss = loss_fn(gathered, targets)
         output_grads = torch.autograd.grad(loss, outputs)  # gather's backward: the gradient split per device
-        loss_cpu = time.thread_time() - cpu_start
         seconds["loss"], start = clock() - start, clock()
 
         for device in range(n if self.evidence else 0):  # a hook on each replica's backward nodes: where, when
@@ -206,7 +204,6 @@ class NaiveDataParallel:
             work[device]["backward_began_s"] = clock() - t0
             grads[device] = torch.autograd.grad(outputs[device], weights[device], output_grads[device])
             work[device]["backward_ended_s"] = clock() - t0
-            work[device]["backward_thread"] = threading.current_thread().name
 
         parallel_apply(backward, n, self.parallel)
         seconds["backward"], start = clock() - start, clock()
@@ -221,8 +218,7 @@ class NaiveDataParallel:
         seconds["step"] = clock() - start
         if self.evidence:
             self._after_step(work, weights, before, optimizer)
-        return StepReport(loss=loss.item(), phase_seconds=seconds, per_device=work, reduce=log,
-                          loss_phase_cpu_seconds=loss_cpu)
+        return StepReport(loss=loss.item(), phase_seconds=seconds, per_device=work, reduce=log)
 
     @staticmethod
     def _hook(record: dict, t0: float) -> Callable:
