@@ -137,6 +137,12 @@ def _is_library(path: str, library_dirs: tuple[str, ...]) -> bool:
             or "/site-packages/" in name or re.search(r"/helpers/_[a-z_]+\.py$", name) is not None)
 
 
+def _qualified(file: str, func: str) -> str:
+    """rpc.shutdown for torch/distributed/rpc/api.py, linear.forward for torch/nn/modules/linear.py."""
+    package = re.search(r"torch/distributed/(\w+)/", file.replace("\\", "/"))
+    return f"{package[1] if package else os.path.splitext(os.path.basename(file))[0]}.{func}"
+
+
 def where(dump: str, script: str, library_dirs: tuple[str, ...] = (), step: int | None = None,
           read_line: Callable[[str, int], str] = linecache.getline) -> str:
     """One line saying where a rank is: the call it is stuck in, at the learner's innermost line.
@@ -158,8 +164,7 @@ def where(dump: str, script: str, library_dirs: tuple[str, ...] = (), step: int 
     if called:
         outer_file, _, func = called[-1]
         waiting = [fn for f, _, fn in called if f.endswith("distributed_c10d.py")]
-        what = f"waiting in dist.{waiting[-1]}" if waiting else \
-            f"in {os.path.splitext(os.path.basename(outer_file))[0]}.{func}"
+        what = f"waiting in dist.{waiting[-1]}" if waiting else f"in {_qualified(outer_file, func)}"
     else:
         callee = _CALLEE.search(read_line(file, line) or "")
         what = f"in {callee[1]}" if callee else "running"

@@ -242,7 +242,7 @@ def wait(jobs: list[Job], timeout: float | None = None) -> list[Run]:
     progress, pause = Progress(), _Pause()
     try:
         while True:
-            shown = sum(job.echo.shown for job in jobs) + sum(len(job.folder.metrics) for job in jobs)
+            before = _news(jobs)
             finished = [job.tick() for job in jobs]
             progress.draw(_bars(jobs))
             if any(job.agent.code not in (None, 0) for job in jobs) or all(finished):
@@ -250,8 +250,7 @@ def wait(jobs: list[Job], timeout: float | None = None) -> list[Run]:
             if deadline is not None and time.monotonic() > deadline:
                 raise _hang_error(jobs, f"timed out after {timeout:g} s: every worker was stopped "
                                   "(SIGTERM, then SIGKILL)", LaunchTimeout)
-            active = shown != sum(job.echo.shown for job in jobs) + sum(len(job.folder.metrics) for job in jobs)
-            sleep_until_news([job.agent for job in jobs], pause.after(active))
+            sleep_until_news([job.agent for job in jobs], pause.after(_news(jobs) != before))
     except KeyboardInterrupt:
         raise _hang_error(jobs, "Interrupted: stopped every worker (KeyboardInterrupt)", LaunchInterrupted) from None
     finally:
@@ -269,6 +268,12 @@ def wait(jobs: list[Job], timeout: float | None = None) -> list[Run]:
         run = next(run for job, run in zip(jobs, runs, strict=True) if job.folder.node == found.node)
         raise WorkerFailed(found.message, rank=found.rank, exitcode=found.exitcode, run=run)
     return runs
+
+
+def _news(jobs: list[Job]) -> int:
+    """How much the workers have said so far (lines and metric rows): a change means they are active."""
+    return sum(len(lines) for job in jobs for lines in job.folder.lines.values()) + \
+        sum(len(job.folder.metrics) for job in jobs)
 
 
 def _bars(jobs: list[Job]) -> dict[int, tuple[int, int]]:
