@@ -165,6 +165,29 @@ def op_dtypes(device_type: str = "cpu", dtype: torch.dtype = torch.bfloat16) -> 
     return {name: str(out.dtype) for name, out in ops.items()}
 
 
+def parameter_casts(contexts: int, passes_per_context: int, cache_enabled: bool = True) -> int:
+    """How often autocast casts a Linear layer's fp32 weight and bias to bf16 over several forward passes.
+
+    Counts the aten._to_copy calls whose input requires grad (the parameters, not the input batch)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountParameterCasts(TorchDispatchMode):
+        casts = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default and args[0].requires_grad:
+                self.casts += 1
+            return func(*args, **(kwargs or {}))
+
+    layer, batch = nn.Linear(4, 4), torch.rand(2, 4)
+    with CountParameterCasts() as counter:
+        for _ in range(contexts):
+            with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=cache_enabled):
+                for _ in range(passes_per_context):
+                    layer(batch)
+    return counter.casts
+
+
 def bytes_per_parameter(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, float]:
     """Bytes per parameter held in weights, gradients and optimizer state (after at least one step)."""
     count = sum(p.numel() for p in model.parameters())

@@ -12,6 +12,7 @@ from helpers.amp import (
     format_facts,
     layer_dtypes,
     op_dtypes,
+    parameter_casts,
     underflow_fraction,
 )
 from helpers.models import SimpleModel
@@ -110,3 +111,8 @@ def test_bytes_per_parameter_with_adam_under_autocast() -> None:
     loss.backward()
     optimizer.step()
     assert bytes_per_parameter(model, optimizer) == {"weights": 4, "gradients": 4, "optimizer state": 8}
+
+
+def test_autocast_casts_each_parameter_once_per_context() -> None:
+    assert parameter_casts(contexts=1, passes_per_context=3) == 2
+    assert parameter_casts(contexts=3, passes_per_context=1) == 6
