@@ -5,13 +5,14 @@ Worker side (call on every rank, at the same point of every step, so that they s
     ranks = nonfinite_ranks(loss)              # ranks whose local loss is NaN or inf (before the all-reduce)
 
 Notebook side:
-    own_fingerprints(logs)                     # what TORCH_DISTRIBUTED_DEBUG=DETAIL says each rank was running
+    own_fingerprints(run)                      # what TORCH_DISTRIBUTED_DEBUG=DETAIL says each rank was running
     read_flight_records(folder)                # the Flight Recorder dumps a worker wrote, per rank
     repair_gloo_dump(folder, out)              # make gloo dumps readable by torch's fr_trace analyser
     check_mystery(rank, step, fixed_run)       # the exercise's check
 """
 from __future__ import annotations
 
+import json
 import pickle
 import re
 from pathlib import Path
@@ -64,14 +65,23 @@ _FINGERPRINT = re.compile(r"Rank (\d+) is running collective: CollectiveFingerPr
                           r"OpType=(\w+)(?:, TensorShape=\[([^\]]*)\], TensorDtypes=(\w+))?")
 
 
-def own_fingerprints(logs: dict[int, str]) -> dict[int, dict[str, Any]]:
+def rank_errors(run: Any) -> dict[int, str]:
+    """Every rank's own traceback from a failed run (the launcher keeps them in the run folder's failures/)."""
+    errors = {}
+    for path in sorted(Path(run.log_dir, "failures").glob("rank*-attempt*.json")):
+        record = json.loads(path.read_text())
+        errors[int(record["rank"])] = record["traceback"]
+    return errors
+
+
+def own_fingerprints(run: Any) -> dict[int, dict[str, Any]]:
     """Per rank, the collective that rank itself was running when DETAIL mode found a mismatch.
 
     DETAIL's message also prints the *other* rank's fingerprint, but that one comes from the check's own
     exchange and can be garbled once the ranks are out of step; a rank's own fingerprint is reliable.
     """
     found = {}
-    for rank, text in logs.items():
+    for rank, text in rank_errors(run).items():
         for match in _FINGERPRINT.finditer(text):
             if int(match.group(1)) == rank:
                 shape = match.group(4)
@@ -92,11 +102,11 @@ def read_flight_records(folder: str | Path) -> dict[int, dict[str, Any]]:
 
 
 def last_collective(record: dict[str, Any], script: str) -> dict[str, Any]:
-    """The newest entry of one rank's dump: its sequence number, op, whether it finished, and its line in `script`."""
+    """The newest entry of one rank's dump: its sequence number, op, tensor sizes, and its line in `script`."""
     entry = record["entries"][-1]
     line = next((frame["line"] for frame in entry["frames"] if frame["filename"].endswith(script)), None)
-    return {"sequence": entry["collective_seq_id"], "op": entry["profiling_name"], "retired": entry["retired"],
-            "sizes": entry["input_sizes"], "line": line}
+    return {"sequence": entry["collective_seq_id"], "op": entry["profiling_name"], "sizes": entry["input_sizes"],
+            "line": line}
 
 
 def repair_gloo_dump(folder: str | Path, out: str | Path) -> list[str]:
