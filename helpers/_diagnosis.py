@@ -13,6 +13,8 @@ import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from helpers._run_folder import node_file
+
 # What a rank says when a *peer* died: a symptom, never the root cause. A timeout is not in the list:
 # a rank that hangs never errors, so the rank whose collective timed out is the one to report.
 PEER_SYMPTOMS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused")
@@ -93,7 +95,7 @@ def diagnose_failure(nodes: list[NodeRecord], bases: tuple[str, ...] = ()) -> Di
     if not failures and not tracebacks:
         node = next((n for n in nodes if n.agent_code not in (None, 0)), nodes[0])
         return Diagnosis(f"the torchrun agent exited with code {node.agent_code} and reported no failed "
-                         f"rank; see {node.log_dir}/agent_node{node.node}.log", node=node.node)
+                         f"rank; see {node_file(node.log_dir, 'agent_log', node.node)}", node=node.node)
     rank = root_cause(failures, tracebacks, set().union(*(node.ranks for node in nodes)))
     home = next((n for n in nodes if rank in n.ranks or rank in n.tracebacks
                  or str(rank) in n.outcome.get("failures", {})), nodes[0])

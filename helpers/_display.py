@@ -13,11 +13,12 @@ _RED, _RESET = "\x1b[31m", "\x1b[0m"
 
 
 class Echo:
-    """Prints each rank's lines live, up to `echo` lines (True: all, False: none)."""
+    """Prints each rank's lines live, up to `echo` lines (True: all, False: none); `rank_logs` says
+    where the rest is (e.g. runs/x/rank<N>.log)."""
 
-    def __init__(self, echo: bool | int, where: str) -> None:
+    def __init__(self, echo: bool | int, rank_logs: str) -> None:
         self.limit = (10**12 if echo is True else int(echo)) if echo else 0
-        self.shown, self.where = 0, where
+        self.shown, self.rank_logs = 0, rank_logs
 
     def show(self, lines: list[tuple[int, str, str]]) -> None:
         if self.shown >= self.limit or not lines:
@@ -29,7 +30,7 @@ class Echo:
         self.shown = min(self.limit, self.shown + len(lines))
         if self.shown == self.limit:
             print(f"... more output is not shown live (echo={self.limit}); every line is in "
-                  f"run.logs[rank] and in {self.where}/rank<N>.log")
+                  f"run.logs[rank] and in {self.rank_logs}")
         sys.stdout.flush()
 
 

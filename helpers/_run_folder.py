@@ -39,7 +39,7 @@ def rank_file(run_dir: str | os.PathLike, kind: str, rank: int, attempt: int) ->
     return os.path.join(run_dir, kind, f"rank{rank}-attempt{attempt}.{_EXTENSIONS[kind]}")
 
 
-def rank_log(run_dir: str | os.PathLike, rank: int) -> str:
+def rank_log(run_dir: str | os.PathLike, rank: int | str) -> str:
     return os.path.join(run_dir, f"rank{rank}.log")
 
 

@@ -143,7 +143,7 @@ class Job:
         self.run_dir = Path(spec["run_dir"])
         self.started, self.started_wall = time.perf_counter(), time.time()
         self.folder = _run_folder.NodeFolder(self.run_dir, spec["node_rank"], spec["nproc"])
-        self.echo = Echo(echo, str(short_path(self.run_dir)))
+        self.echo = Echo(echo, _run_folder.rank_log(short_path(self.run_dir), "<N>"))
         self.agent = Agent(spec)
 
     def tick(self) -> bool:
