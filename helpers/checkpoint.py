@@ -73,12 +73,17 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    """Put the generators back exactly where rng_state() found them."""
-    torch.set_rng_state(state["torch"])
+    """Put the generators back exactly where rng_state() found them.
+
+    The states go back as CPU tensors: every generator, CUDA's included, takes its state as a CPU ByteTensor
+    (check_rng_state in ATen/core/Generator.h), and a checkpoint loaded with map_location="cuda:N" has moved
+    them to the GPU ("RNG state must be a torch.ByteTensor" otherwise).
+    """
+    torch.set_rng_state(state["torch"].cpu())
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))  # tuples may come back as lists
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([cuda_state.cpu() for cuda_state in state["cuda"]])
 
 
 class _FailsHalfway:

@@ -85,7 +85,7 @@ def slurm_script(script: str, size: JobSize, args: tuple | list = (), job_name: 
     """A batch script for `sbatch`: one torchrun agent per node (srun), agents meet at the first node.
 
     Since Slurm 22.05, srun no longer inherits --cpus-per-task from the allocation: without passing it on,
-    each agent (and so all of its workers) would be confined to one core.
+    each agent (and so all of its workers) would get the step default of one CPU per task.
     """
     command = torchrun_command(script, size, f"$HEAD_NODE:{RENDEZVOUS_PORT}", "$SLURM_JOB_ID", args)
     quoted = " ".join(word if word.startswith("--rdzv") else shlex.quote(word) for word in command)
@@ -133,7 +133,7 @@ def check_slurm_script(text: str) -> list[str]:
     inherits = re.search(r"^export SRUN_CPUS_PER_TASK=\$SLURM_CPUS_PER_TASK$", text, re.MULTILINE)
     if "--cpus-per-task=$SLURM_CPUS_PER_TASK" not in srun_options and not inherits:
         raise ValueError("srun does not pass --cpus-per-task on (Slurm >= 22.05 does not inherit it): "
-                         "every agent and its workers would share one core")
+                         "every agent and its workers would get one CPU")
     try:
         parsed = get_args_parser().parse_args(arguments)  # torchrun's own parser
     except SystemExit:

@@ -53,6 +53,15 @@ def test_rng_state_restores_every_generator():
     assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: map_location='cuda' moves the RNG states")
+def test_rng_state_restores_from_a_checkpoint_loaded_onto_the_gpu(tmp_path):
+    """The worker loads its checkpoint with map_location=its device; generators take CPU states only."""
+    save_checkpoint(tmp_path / "rng.pt", {"rng": rng_state()})
+    expected = (torch.rand(3), torch.rand(3, device="cuda"))
+    set_rng_state(load_checkpoint(tmp_path / "rng.pt", map_location="cuda")["rng"])
+    assert torch.equal(torch.rand(3), expected[0]) and torch.equal(torch.rand(3, device="cuda"), expected[1])
+
+
 def test_atomic_save_passes_the_exercise_check_and_a_plain_save_does_not(tmp_path):
     assert check_atomic_save(lambda state, path: save_checkpoint(path, state), tmp_path)
     assert not check_atomic_save(lambda state, path: torch.save(state, path), tmp_path / "naive")
