@@ -84,14 +84,18 @@ def last_lines(text: str, count: int = 15) -> str:
 
 
 def diagnose_failure(nodes: list[NodeRecord], bases: tuple[str, ...] = ()) -> Diagnosis:
-    """The first failure across every node of a job (ranks are global, so their records merge)."""
+    """The first failure across every node of a job (ranks are global, so their records merge).
+
+    A rank's own error beats an agent's: once one node fails, the launcher stops the others, and an
+    agent stopped that way reports the SIGTERM it got (SignalException) as its own error.
+    """
+    failures = {int(r): info for node in nodes for r, info in node.outcome.get("failures", {}).items()}
+    tracebacks = {r: record for node in nodes for r, record in node.tracebacks.items()}
     for node in nodes:
-        if "agent_error" in node.outcome:
+        if "agent_error" in node.outcome and not failures and not tracebacks:
             return Diagnosis(f"the torchrun agent of node {node.node} itself failed:\n"
                              f"{clean_traceback(node.outcome['agent_error'], bases)}\nLogs: {node.log_dir}/",
                              node=node.node)
-    failures = {int(r): info for node in nodes for r, info in node.outcome.get("failures", {}).items()}
-    tracebacks = {r: record for node in nodes for r, record in node.tracebacks.items()}
     if not failures and not tracebacks:
         node = next((n for n in nodes if n.agent_code not in (None, 0)), nodes[0])
         return Diagnosis(f"the torchrun agent exited with code {node.agent_code} and reported no failed "

@@ -74,6 +74,15 @@ def test_failure_across_nodes_names_the_rank_on_the_other_node():
     assert "ValueError: broke" in found.message and "runs/node1/" in found.message
 
 
+def test_an_agent_we_stopped_is_not_blamed_over_the_rank_that_failed():
+    """Node 1 fails first; the launcher SIGTERMs node 0's agent, which records that as its own error."""
+    stopped = NodeRecord(2, {"ok": False, "agent_error": "SignalException: Process 12066 got signal: 15"},
+                         {0: tb(CLOSED, 2.0)}, {0, 1}, node=0)
+    failed_node = NodeRecord(1, {"ok": False, "failures": {"3": failed(1)}}, {3: tb(REAL, 1.5)}, {2, 3}, node=1)
+    found = diagnose_failure([stopped, failed_node])
+    assert (found.rank, found.node) == (3, 1) and "ValueError: broke" in found.message
+
+
 @pytest.mark.parametrize("record, words", [
     (NodeRecord(2, {"ok": False, "agent_error": "Traceback ...\nRendezvousError: no"}, {}, set()),
      "the torchrun agent of node 0 itself failed"),

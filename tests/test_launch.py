@@ -290,6 +290,19 @@ def test_a_running_job_says_where_its_ranks_are(processes):
     processes.nothing_left(job.run_dir)
 
 
+def test_a_timeout_of_two_nodes_says_where_all_four_ranks_are(processes):
+    port = free_port()
+    jobs = [start(HANG, nproc=2, nnodes=2, node_rank=node, rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id="hang",
+                  echo=False) for node in (0, 1)]
+    with pytest.raises(LaunchTimeout) as caught:
+        wait(jobs, timeout=15)
+    sleeping = {rank: RANK1_WHERE for rank in (1, 2, 3)}  # the worker's else branch: every rank but 0
+    assert caught.value.where == {0: RANK0_WHERE, **sleeping}
+    assert all(f"rank {rank}: " in str(caught.value) for rank in range(4))
+    for job in jobs:
+        processes.nothing_left(job.run_dir)
+
+
 @pytest.mark.parametrize("fresh", [False, True], ids=["forked", "fresh"])
 def test_interrupt_during_a_hang_says_where_every_rank_was(tmp_path, fresh, processes):
     proc, run_dir = _start_launching_process(tmp_path, processes, "hang_in_collective.py", "hanging", fresh=fresh)
@@ -397,6 +410,18 @@ def test_a_worker_importing_helpers_worker_pays_for_nothing_else():
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('helpers', 'psutil', 'torch', 'IPython')))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert loaded.strip() == "['helpers', 'helpers._run_folder', 'helpers.worker']"
+
+
+def test_echo_prints_labelled_lines_up_to_its_limit(capsys):
+    from helpers._display import Echo
+
+    echo = Echo(2, "runs/x/rank<N>.log")
+    echo.show([(0, "stdout", "a"), (1, "stderr", "b"), (0, "stdout", "c")])
+    echo.show([(0, "stdout", "d")])
+    shown = capsys.readouterr().out.splitlines()
+    assert [line.split("]", 1)[0][-6:] for line in shown[:2]] == ["rank 0", "rank 1"]
+    assert shown[0].endswith(" a") and "\x1b[31mb" in shown[1]  # stderr in red
+    assert len(shown) == 3 and "not shown live (echo=2)" in shown[2] and "runs/x/rank<N>.log" in shown[2]
 
 
 def test_unsupported_systems_fail_at_once_with_a_clear_message(monkeypatch):
