@@ -104,12 +104,15 @@ def test_uneven_inputs_break_without_join_and_finish_with_it():
     assert joined[0]["checksum"] == joined[1]["checksum"]
 
 
-def test_step_time_pins_the_thread_count_it_reports():
-    run = launch(WORKERS / "ddp_step_time.py", nproc=1, echo=False,
-                 args=["--model", "simple", "--threads", 1, 2, "--block-steps", 2, "--warmup", 1, "--repeats", 2])
+def test_step_time_pins_the_thread_count_it_reports_and_the_waiting_rank_sleeps():
+    run = launch(WORKERS / "ddp_step_time.py", nproc=2, echo=False,
+                 args=["--model", "simple", "--block-steps", 2, "--warmup", 1, "--repeats", 2])
     blocks = run.results[0]["blocks"]
-    assert sorted(blocks) == ["simple, 1 rank(s) x 1 thread(s)", "simple, 1 rank(s) x 2 thread(s)"]
+    assert sorted(blocks) == ["simple, 1 rank(s) x 1 thread(s)", "simple, 1 rank(s) x 2 thread(s)",
+                              "simple, 2 rank(s) x 1 thread(s)"]
     assert all(len(times) == 2 and min(times) > 0 for times in blocks.values())
+    waited = run.results[1]["waited"]
+    assert waited["cpu_seconds"] < 0.25 * waited["wall_seconds"]
 
 
 def test_torch_distributed_launch_warns_and_passes_local_rank():

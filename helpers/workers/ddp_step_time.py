@@ -1,13 +1,13 @@
-"""Time one training step: 1 rank on 1 or 2 threads, or N ranks with DDP, at the same global batch.
+"""Time a training step three ways in one launch: DDP on every rank, and rank 0 alone on 1 or 2 threads.
 
-    python helpers/workers/ddp_step_time.py --threads 1 2                                  # one process
-    torchrun --standalone --nproc-per-node 2 helpers/workers/ddp_step_time.py --threads 1  # DDP, 2 ranks
+    torchrun --standalone --nproc-per-node 2 helpers/workers/ddp_step_time.py --threads 1 2
 
 A step is forward, backward (with DDP: the gradient all-reduce) and the optimizer step, on a batch
-already in memory: no data loading, no start-up, no evaluation. The thread count is set with
-torch.set_num_threads, not inherited. Each block times --block-steps steps after --warmup untimed ones;
-the blocks cycle through models and thread counts --repeats times, so that a busy moment on the
-machine hits every setting alike. Reports every block's median step time, in seconds.
+already in memory: no data loading, no start-up, no evaluation; always --global-batch samples, split
+over the ranks under DDP. Thread counts are set with torch.set_num_threads, not inherited. Each block
+times --block-steps steps after --warmup untimed ones, and the settings take turns block by block
+(--repeats rounds), so that a busy moment on the machine hits every setting alike. While rank 0 runs
+alone the other ranks wait in dist.barrier(), and report how much CPU time they used meanwhile.
 """
 import argparse
 import statistics
@@ -23,9 +23,10 @@ from helpers.models import build_model
 from helpers.worker import result
 
 
-def block_median(model: nn.Module, optimizer: torch.optim.Optimizer, images: torch.Tensor,
-                 labels: torch.Tensor, steps: int, warmup: int) -> float:
-    """Median wall time of `steps` training steps, after `warmup` untimed ones."""
+def block_median(model: nn.Module, batch: int, steps: int, warmup: int) -> float:
+    """Median wall time of `steps` training steps on a random batch, after `warmup` untimed ones."""
+    images, labels = torch.rand(batch, 1, 28, 28), torch.randint(0, 10, (batch,))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     times = []
     for step in range(warmup + steps):
         started = time.perf_counter()
@@ -40,32 +41,35 @@ def block_median(model: nn.Module, optimizer: torch.optim.Optimizer, images: tor
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", nargs="+", default=["simple", "cnn"], choices=["simple", "cnn"])
-    parser.add_argument("--threads", nargs="+", type=int, default=[1])
+    parser.add_argument("--threads", nargs="+", type=int, default=[1, 2], help="for rank 0 alone")
     parser.add_argument("--global-batch", type=int, default=64)
     parser.add_argument("--block-steps", type=int, default=10, help="timed steps per block")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    rank, world_size, device = init_distributed()
-    per_rank_batch = args.global_batch // world_size
+    rank, world_size, _ = init_distributed(backend="gloo")  # CPU timing, whatever the machine has
     torch.manual_seed(rank)
-    images, labels = torch.rand(per_rank_batch, 1, 28, 28, device=device), torch.randint(0, 10, (per_rank_batch,))
-    labels = labels.to(device)
-
-    blocks = {}
+    blocks: dict[str, list[float]] = {}
+    waited = {"wall_seconds": 0.0, "cpu_seconds": 0.0}
     for _ in range(args.repeats):
         for name in args.model:
             torch.manual_seed(0)
-            model = build_model(name).to(device)
-            if world_size > 1:
-                model = DDP(model)
-            optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-            for threads in args.threads:
-                torch.set_num_threads(threads)
-                label = f"{name}, {world_size} rank(s) x {torch.get_num_threads()} thread(s)"
-                blocks.setdefault(label, []).append(block_median(model, optimizer, images, labels,
-                                                                 args.block_steps, args.warmup))
-    result(blocks=blocks, per_rank_batch=per_rank_batch, world_size=world_size, device=device.type)
+            if world_size > 1:  # every rank: DDP, one thread each
+                torch.set_num_threads(1)
+                seconds = block_median(DDP(build_model(name)), args.global_batch // world_size,
+                                       args.block_steps, args.warmup)
+                blocks.setdefault(f"{name}, {world_size} rank(s) x 1 thread(s)", []).append(seconds)
+            for threads in args.threads:  # rank 0 alone, the whole global batch
+                if rank == 0:
+                    torch.set_num_threads(threads)
+                    seconds = block_median(build_model(name), args.global_batch, args.block_steps, args.warmup)
+                    blocks.setdefault(f"{name}, 1 rank(s) x {torch.get_num_threads()} thread(s)", []).append(seconds)
+                wall, cpu = time.perf_counter(), time.process_time()
+                dist.barrier()
+                if rank != 0:
+                    waited["wall_seconds"] += time.perf_counter() - wall
+                    waited["cpu_seconds"] += time.process_time() - cpu
+    result(blocks=blocks, waited=waited, world_size=world_size)
     dist.destroy_process_group()
 
 
