@@ -29,7 +29,9 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--bug", choices=["none", "skip-barrier", "dtype", "shape"], default="none")
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--per-rank-batch", type=int, default=16)
+    batch = parser.add_mutually_exclusive_group()
+    batch.add_argument("--per-rank-batch", type=int, default=16)
+    batch.add_argument("--global-batch", type=int, default=None, help="split evenly across the ranks instead")
     parser.add_argument("--checkpoint-every", type=int, default=3)
     parser.add_argument("--monitored", action="store_true")
     parser.add_argument("--flight-recorder", default=None)
@@ -70,7 +72,9 @@ def main() -> None:
     dist.set_debug_level_from_env()
     if args.flight_recorder:  # must be set before the process group is created
         os.environ["TORCH_FR_BUFFER_SIZE"] = "100"
-    rank, _, _ = init_distributed(timeout=timedelta(seconds=args.timeout))
+    rank, world_size, _ = init_distributed(timeout=timedelta(seconds=args.timeout))
+    if args.global_batch:
+        args.per_rank_batch = args.global_batch // world_size
     try:
         steps, samples = train(args, rank)
     except Exception:

@@ -52,7 +52,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--bug", choices=["none", "unused-layer", "uneven", "outside-ddp", "nan"], default="none")
     parser.add_argument("--fix", action="store_true")
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--per-rank-batch", type=int, default=16)
+    batch = parser.add_mutually_exclusive_group()
+    batch.add_argument("--per-rank-batch", type=int, default=16)
+    batch.add_argument("--global-batch", type=int, default=None, help="split evenly across the ranks instead")
     parser.add_argument("--checksum-every", type=int, default=0)
     parser.add_argument("--nan-check", action="store_true")
     parser.add_argument("--anomaly", action="store_true")
@@ -77,7 +79,9 @@ def batches(args: argparse.Namespace, rank: int) -> list[tuple[torch.Tensor, tor
 def main() -> None:
     args = parse_args()
     dist.set_debug_level_from_env()  # forked workers: read TORCH_DISTRIBUTED_DEBUG again (see debug_collectives)
-    rank, _, _ = init_distributed(timeout=timedelta(seconds=args.timeout))
+    rank, world_size, _ = init_distributed(timeout=timedelta(seconds=args.timeout))
+    if args.global_batch:
+        args.per_rank_batch = args.global_batch // world_size
     torch.manual_seed(0)  # the same initial weights everywhere (DDP would broadcast rank 0's anyway)
     regressor = Regressor(use_extra_on={1} if args.bug == "unused-layer" else {0, 1})
     if args.bug == "outside-ddp" and not args.fix:
