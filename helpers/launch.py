@@ -40,7 +40,16 @@ _FORK_SAFE = sys.platform.startswith("linux")
 _LIBRARY_DIRS = tuple({sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")})
 
 
-class WorkerFailed(RuntimeError):
+class _ShortTraceback:
+    """IPython shows `_render_traceback_()` instead of a traceback (InteractiveShell.showtraceback): the
+    message already holds what matters (the failing rank's own traceback, or where each rank was), and
+    the launcher's frames tell a learner nothing. IPython never hides the innermost frame otherwise."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"\x1b[31m{type(self).__name__}\x1b[0m: {self}"]
+
+
+class WorkerFailed(_ShortTraceback, RuntimeError):
     """A rank failed. The message names the rank, its exit code, its traceback and the log folder."""
 
     def __init__(self, message: str, rank: int | None = None, exitcode: int | None = None,
@@ -59,7 +68,7 @@ class LaunchTimeout(WorkerFailed, TimeoutError):
         self.where, self.stacks = where or {}, stacks or {}
 
 
-class LaunchInterrupted(KeyboardInterrupt):
+class LaunchInterrupted(_ShortTraceback, KeyboardInterrupt):
     """The cell was interrupted; every worker was stopped. `.where`, `.stacks`, `.run` as LaunchTimeout."""
 
     def __init__(self, message: str, where: dict[int, str], stacks: dict[int, str], run: Run) -> None:

@@ -235,6 +235,19 @@ def test_progress_bar_follows_reported_progress():
     assert shown.splitlines() == [f"rank {rank} |{'█' * 30}| 5/5" for rank in (0, 1)]
 
 
+def test_a_notebook_shows_the_message_not_the_launchers_frames():
+    from IPython.testing.globalipapp import get_ipython
+    from IPython.utils.capture import capture_output
+
+    shell = get_ipython()
+    with capture_output() as captured:
+        shell.run_cell(f"from helpers import launch\nlaunch({str(WORKERS / 'crash_in_collective.py')!r}, echo=False)")
+    shown = captured.stdout
+    assert shown.splitlines()[0].endswith("rank 1 failed first, with exit code 1; every other rank was stopped.")
+    assert "WorkerFailed" in shown and "ValueError: rank 1 broke on purpose" in shown
+    assert "helpers/launch.py" not in shown and "helpers/_" not in shown
+
+
 def test_a_rank_killed_by_a_signal_is_blamed_not_the_peer_it_broke(processes):
     with pytest.raises(WorkerFailed) as caught:
         launch(WORKERS / "killed_in_collective.py", nproc=2, echo=False)
