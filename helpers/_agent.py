@@ -61,7 +61,7 @@ def run_agent(spec: dict) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    from helpers._bootstrap import run_script
+    from helpers._bootstrap import run_forked_script
 
     # Elastic logs each failed worker with logger.exception, whose formatting takes ~3 s here
     # (it walks and imports modules); the launcher reports failures from its own records instead.
@@ -73,7 +73,7 @@ def run_agent(spec: dict) -> int:
     if spec["fresh"]:
         entrypoint, entry_args = sys.executable, ["-u", "-m", "helpers._bootstrap", *script_and_args]
     else:
-        entrypoint, entry_args = run_script, script_and_args
+        entrypoint, entry_args = run_forked_script, script_and_args
     try:
         elastic_launch(config, entrypoint)(*entry_args)
         outcome, code = {"ok": True}, _run_folder.AGENT_OK

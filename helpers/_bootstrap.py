@@ -7,7 +7,7 @@ failure time and traceback if the script raises, then runs the script as ``__mai
 ``python script.py`` would. Standard library only (and helpers._run_folder).
 
 Fresh-interpreter mode runs ``python -u -m helpers._bootstrap script.py args...``; fork mode calls
-:func:`run_script` in a process forked from the preloaded launch server.
+:func:`run_forked_script` in a process forked from the agent (itself forked from the preloaded launch server).
 """
 from __future__ import annotations
 
@@ -43,7 +43,34 @@ def _answer_stack_requests(run_dir: str, me: dict) -> None:
     faulthandler.register(_run_folder.STACK_SIGNAL, file=open(path, "w"), all_threads=True, chain=False)
 
 
-def run_script(script: str, *args: str) -> None:
+def _wait_until_every_rank_is_forked(run_dir: str, me: dict, world_size: int, limit: float = 10.0) -> None:
+    """Fork mode: start the script only once every worker of this attempt has been forked.
+
+    The agent forks its workers one after another while its TCPStore server thread already serves the
+    ranks forked first. A fork copies a lock held by another thread in its held state: we caught a
+    worker stuck for good in glibc's resolver lock (``__resolv_context_get`` under ``getnameinfo``,
+    from c10d's ``formatSockAddr`` in ``TCPStore::TCPStore``), taken by the agent's store thread while
+    it formatted an earlier rank's connection. Once no rank talks to the store before the last fork,
+    the agent's other threads hold no lock at fork time. Registrations are files in the run folder,
+    so ranks of several agents on this machine (multi-node demos) wait for each other too."""
+    folder = os.path.join(run_dir, "workers")
+    suffix = f"-attempt{me['attempt']}.json"
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        try:
+            if sum(name.endswith(suffix) for name in os.listdir(folder)) >= world_size:
+                return
+        except FileNotFoundError:
+            pass
+        time.sleep(0.002)
+
+
+def run_forked_script(script: str, *args: str) -> None:
+    """The entry point of a worker forked from the agent (fork mode)."""
+    run_script(script, *args, forked=True)
+
+
+def run_script(script: str, *args: str, forked: bool = False) -> None:
     die_with_parent()
     # A forked worker inherits the agent's Python signal handlers; give it a fresh interpreter's.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -62,6 +89,8 @@ def run_script(script: str, *args: str) -> None:
         _answer_stack_requests(run_dir, me)  # before registering: the launcher signals registered pids
         _run_folder.write_json(_run_folder.rank_file(run_dir, "workers", me["rank"], me["attempt"]),
                                {**me, "started": time.time()})
+        if forked:
+            _wait_until_every_rank_is_forked(run_dir, me, int(os.environ.get("WORLD_SIZE", 1)))
     sys.argv = [script, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     try:

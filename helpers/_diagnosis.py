@@ -114,7 +114,7 @@ def diagnose_failure(nodes: list[NodeRecord], bases: tuple[str, ...] = ()) -> Di
     record = tracebacks.get(rank)
     body = clean_traceback(record["traceback"], bases) if record else last_lines(home.logs.get(rank, ""))
     title = "traceback" if record else "last lines of output"
-    return Diagnosis(f"rank {rank} failed first, with {how}; every other rank was stopped.\n"
+    return Diagnosis(f"rank {rank} failed first, with {how}; no other rank is left running.\n"
                      f"--- {title} from rank {rank} ---\n{body.rstrip()}\n"
                      f"--- logs of every rank: {home.log_dir}/ ---", rank=rank, exitcode=code, node=home.node)
 

@@ -9,8 +9,12 @@ from collections.abc import Callable
 
 def mp_spawn_from_notebook(function: Callable, nprocs: int = 2, args: tuple = ()) -> None:
     """Run the source article's ``mp.spawn(function, ...)`` and, when it fails, raise a short error
-    with the child's own last error line (children write it to the kernel's stderr, which a notebook
-    never shows, so we catch it in a file)."""
+    that names what mp.spawn raised and adds the child's own last error line.
+
+    A child that dies before torch's ``_wrap`` runs leaves no error file, so mp.spawn's exception says
+    only "terminated with exit code 1"; the child's reason is on its stderr (fd 2, which ipykernel
+    forwards into the cell as a separate wall of text). We send fd 2 to a file for the call and keep
+    its last line."""
     __tracebackhide__ = True
     import torch.multiprocessing as mp
 
@@ -27,8 +31,10 @@ def mp_spawn_from_notebook(function: Callable, nprocs: int = 2, args: tuple = ()
             lines = [line for line in capture.read().splitlines() if line.strip()]
             child = lines[-1] if lines else "(no message)"
             code = getattr(error, "exit_code", "?")
-            raise RuntimeError(f"mp.spawn failed: a child process exited with code {code}; "
-                               f"it said: {child}") from None
+            # from None: the chained ProcessExitedException would repeat torch's frames; its type and
+            # message are in this one
+            raise RuntimeError(f"mp.spawn raised {type(error).__name__} (a child exited with code {code}); "
+                               f"the child's stderr said: {child}") from None
         finally:
             os.dup2(saved, 2)
             os.close(saved)

@@ -118,10 +118,12 @@ def launch(script: str | os.PathLike, nproc: int = 2, args: tuple | list = (),
     every process group in a checker (ProcessGroupWrapper, distributed_c10d.py) that compares each
     collective's op, shapes and dtypes across ranks before running it, so mismatched collectives
     fail at once with "Detected mismatch between collectives on ranks" instead of hanging or
-    failing with a lost connection; DDP's error about parameters that got no gradient names them. It
-    costs a fingerprint exchange (a barrier and an all_gather on a helper gloo group) before every
-    collective. The Flight Recorder is not switched on: on gloo it records collectives
+    failing with a lost connection. It costs a fingerprint exchange (a barrier and an all_gather on a
+    helper gloo group) before every collective. The Flight Recorder is not switched on: on gloo it records collectives
     (TORCH_FR_BUFFER_SIZE) but writes no dump on a timeout and never marks an entry completed.
+    DETAIL also checks DDP's constructor, which crashed on CPU in lesson 08's runs; to have DDP's
+    unused-parameter error name the parameters, INFO is enough (reducer.cpp prints names at any level
+    but OFF): set os.environ["TORCH_DISTRIBUTED_DEBUG"] = "INFO" before launching, as lesson 08 does.
     Raises WorkerFailed (a RuntimeError) naming the failing rank with its traceback.
     """
     __tracebackhide__ = True  # IPython shows the learner's cell and the error, not the launcher's frames

@@ -2,6 +2,7 @@
 
     python -m helpers.sizing                       # every lesson, one after another (a few minutes)
     python -m helpers.sizing notebooks/02_ddp.ipynb
+    python -m helpers.sizing --inplace             # maintainers: also store the executed lessons (as notebook_tools)
 
 Each notebook runs top to bottom in a fresh kernel, as a learner's Run All would, on a copy (the lesson
 itself is not rewritten). Meanwhile the kernel and everything it starts (the launch server, torchrun
@@ -35,6 +36,8 @@ import sys, nbformat, nbclient
 notebook = nbformat.read(sys.argv[1], as_version=4)
 nbclient.NotebookClient(notebook, timeout=900, kernel_name="python3", allow_errors=True,
                         resources={"metadata": {"path": sys.argv[2]}}).execute()
+if sys.argv[3] == "inplace":
+    nbformat.write(notebook, sys.argv[1])
 errors = [o.get("ename") for c in notebook.cells if c.cell_type == "code" for o in c.get("outputs", [])
           if o.get("output_type") == "error" and "raises-exception" not in c.metadata.get("tags", [])]
 sys.exit(1 if errors else 0)
@@ -72,12 +75,15 @@ def _reap_all(deadline: float) -> None:
             time.sleep(0.05)
 
 
-def measure(notebook: Path) -> dict[str, float]:
-    """Run one notebook in a fresh kernel and return its peak memory (MiB), processes and CPU-seconds."""
+def measure(notebook: Path, inplace: bool = False) -> dict[str, float]:
+    """Run one notebook in a fresh kernel and return its peak memory (MiB), processes and CPU-seconds.
+    inplace: store the executed notebook (with the digits data, as the tests expect), like notebook_tools."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     with tempfile.TemporaryDirectory() as scratch:
         started = time.perf_counter()
-        runner = subprocess.Popen([sys.executable, "-c", RUNNER, str(notebook), str(notebook.parent)],
+        env = {**os.environ, "LESSONS_DATA": "digits"} if inplace else None
+        runner = subprocess.Popen([sys.executable, "-c", RUNNER, str(notebook), str(notebook.parent),
+                                   "inplace" if inplace else "measure"], env=env,
                                   stdout=subprocess.DEVNULL, stderr=open(Path(scratch) / "runner.log", "w"))
         handle = psutil.Process(runner.pid)
         peak_bytes, peak_processes = 0, 0
@@ -88,6 +94,10 @@ def measure(notebook: Path) -> dict[str, float]:
             time.sleep(SAMPLE_SECONDS)
         seconds = time.perf_counter() - started
         _reap_all(time.time() + 10)
+    if inplace:
+        from helpers.notebook_tools import strip_traceback_paths
+
+        strip_traceback_paths(notebook)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return {"peak MiB": peak_bytes / 2**20, "peak processes": peak_processes, "CPU-seconds": cpu,
@@ -97,12 +107,13 @@ def measure(notebook: Path) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("notebooks", nargs="*", type=Path)
+    parser.add_argument("--inplace", action="store_true", help="store each executed lesson (maintainers)")
     args = parser.parse_args()
     _become_subreaper()
     notebooks = args.notebooks or sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
     print(f"{'lesson':<44} {'peak MiB':>9} {'processes':>9} {'CPU-s':>7} {'wall s':>7}", flush=True)
     for notebook in notebooks:
-        row = measure(notebook.resolve())
+        row = measure(notebook.resolve(), inplace=args.inplace)
         flag = "  (cells raised errors: see the lesson)" if row["errors"] else ""
         print(f"{notebook.name:<44} {row['peak MiB']:>9.0f} {row['peak processes']:>9} "
               f"{row['CPU-seconds']:>7.0f} {row['wall seconds']:>7.0f}{flag}", flush=True)

@@ -118,11 +118,20 @@ def _kernel_processes(server: psutil.Process) -> list[psutil.Process]:
     return [p for p in server.children() if "ipykernel" in " ".join(p.cmdline())]
 
 
+def _own_kernel(page, server: psutil.Process) -> psutil.Process:
+    """The kernel process of the notebook open in `page` (its connection file names the kernel id)."""
+    kernel_id = page.evaluate("() => window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.id")
+    found = [p for p in _kernel_processes(server) if f"kernel-{kernel_id}.json" in " ".join(p.cmdline())]
+    assert len(found) == 1, f"kernel {kernel_id}: {found}"
+    return found[0]
+
+
 def _open(browser, lab, name: str):
     """A new page with notebook `name` open and its kernel idle."""
     url, _ = lab
     page = browser.new_page()
-    page.goto(f"{url}/lab/tree/notebooks/{name}?token={TOKEN}")
+    # reset: a fresh workspace, so JupyterLab does not reopen (and start kernels for) earlier tests' notebooks
+    page.goto(f"{url}/lab/tree/notebooks/{name}?reset&token={TOKEN}")
     page.wait_for_function("""() => { const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;
         return w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel
                && w.sessionContext.session.kernel.status === 'idle'; }""", timeout=120_000)
@@ -130,13 +139,17 @@ def _open(browser, lab, name: str):
 
 
 def _close(page, lab) -> None:
-    """Shut the notebook's kernel down (as File > Close and Shut Down does) and close the page."""
+    """Shut the notebook's kernel down (as File > Close and Shut Down does) and close the page: the kernel
+    and everything it started must be gone."""
+    _, server = lab
+    kernel = _own_kernel(page, server)
+    tree = {p.pid for p in [kernel, *kernel.children(recursive=True)]}
     page.evaluate("() => window.jupyterapp.shell.currentWidget.sessionContext.shutdown()")
     page.close()
-    _, server = lab
     deadline = time.monotonic() + 30
-    while _kernel_processes(server) and time.monotonic() < deadline:
+    while _descendants_alive(tree) and time.monotonic() < deadline:
         time.sleep(0.2)
+    assert not _descendants_alive(tree), f"left running after shutting the kernel down: {_descendants_alive(tree)}"
 
 
 def _command(page, command: str) -> None:
@@ -234,7 +247,7 @@ def test_live_output_interrupt_and_next_launch(browser, lab):
         state = _wait(page, lambda s: "tick 3 from rank 1" in _text(s["cells"][0]["outputs"]), 90,
                       "live rank output while the cell runs")
         assert not state["cells"][0]["count"], "the cell should still be running"
-        kernel_tree = {p.pid for k in _kernel_processes(server) for p in k.children(recursive=True)}
+        kernel_tree = {p.pid for p in _own_kernel(page, server).children(recursive=True)}
         workers = _job_processes(server)
         assert len(workers) >= 3, "an agent and two ticker workers should be running now"
         _command(page, "notebook:interrupt-kernel")
@@ -262,8 +275,9 @@ def test_kernel_restart_during_a_launch_leaves_nothing(browser, lab):
     try:
         _command(page, "notebook:run-cell")
         _wait(page, lambda s: "tick 2 from rank 0" in _text(s["cells"][0]["outputs"]), 90, "ticks before restart")
-        tree = {p.pid for k in _kernel_processes(server) for p in [k, *k.children(recursive=True)]}
-        assert len(tree) >= 4, "kernel, launch server, agent and workers should be alive"
+        kernel = _own_kernel(page, server)
+        tree = {p.pid for p in [kernel, *kernel.children(recursive=True)]}
+        assert len(tree) >= 5, "kernel, launch server, agent and two workers should be alive"
         page.evaluate("() => { window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.restart(); }")
         deadline = time.monotonic() + 15
         while _descendants_alive(tree) and time.monotonic() < deadline:

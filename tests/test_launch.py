@@ -243,7 +243,7 @@ def test_a_notebook_shows_the_message_not_the_launchers_frames():
     with capture_output() as captured:
         shell.run_cell(f"from helpers import launch\nlaunch({str(WORKERS / 'crash_in_collective.py')!r}, echo=False)")
     shown = captured.stdout
-    assert shown.splitlines()[0].endswith("rank 1 failed first, with exit code 1; every other rank was stopped.")
+    assert shown.splitlines()[0].endswith("rank 1 failed first, with exit code 1; no other rank is left running.")
     assert "WorkerFailed" in shown and "ValueError: rank 1 broke on purpose" in shown
     assert "helpers/launch.py" not in shown and "helpers/_" not in shown
 

@@ -37,13 +37,15 @@ def test_student_copy_has_every_lesson_and_no_solution(student_copy):
         text = _text(notebook)
         assert not re.search(r"<summary>\s*Solution", text, re.IGNORECASE), name
         assert "_solution.py" not in text, name
+        assert not [c for c in notebook["cells"] if "solution" in c["metadata"].get("tags", [])], name
 
 
 def test_student_copy_keeps_every_check_on_the_learners_work(student_copy):
     originals, copies = _notebooks(ROOT), _notebooks(student_copy)
     for name, original in originals.items():
-        # every check call that is not run on a solution file must survive
-        wanted = [src for cell in original["cells"] if cell["cell_type"] == "code"
+        # every check call that is not run on a solution (a solution file, or a cell tagged solution) must survive
+        wanted = [src for cell in original["cells"]
+                  if cell["cell_type"] == "code" and "solution" not in cell["metadata"].get("tags", [])
                   for src in ["".join(cell["source"])] if CHECK_CALL.search(src) and "_solution" not in src]
         kept = _text(copies[name])
         for source in wanted:
@@ -109,3 +111,13 @@ def test_pinned_version_reads_requirements(tmp_path):
     requirements.write_text("numpy==2.4.6\ntorch==2.14.1  # CPU or GPU\n")
     assert preflight.pinned_version("torch", requirements) == "2.14.1"
     assert preflight.pinned_version("scipy", requirements) is None
+
+
+def test_every_lesson_in_the_student_copy_has_a_check_that_says_not_yet_on_the_starting_code(student_copy):
+    # nbval re-runs these cells and compares their text, so "Not yet" here is what the learner's untouched
+    # starting code really gets; catches an exercise whose check passes (or crashes) before any work is done
+    for name, notebook in _notebooks(student_copy).items():
+        said = ["".join(o.get("text", "")) for cell in notebook["cells"] if cell["cell_type"] == "code"
+                and CHECK_CALL.search("".join(cell["source"])) and "NBVAL_IGNORE_OUTPUT" not in "".join(cell["source"])
+                for o in cell.get("outputs", []) if o["output_type"] == "stream"]
+        assert any(text.startswith("Not yet: ") for text in said), f"{name}: no check says Not yet: {said}"
