@@ -157,15 +157,24 @@ def format_bytes(size: float) -> str:
     raise AssertionError("unreachable")
 
 
+# a call of any collective that moves data: all_gather_by_hand( and tensor.gather( do not match
+_COLLECTIVE_CALL = re.compile(
+    r"(?<![\w.])(?:(?:torch\.)?(?:dist|distributed)\.)?"
+    r"(all_gather(?:_into_tensor|_object)?|all_reduce|broadcast(?:_object_list)?|reduce(?:_scatter(?:_tensor)?)?|"
+    r"all_to_all(?:_single)?|gather(?:_object)?|scatter(?:_object_list)?)\s*\(")
+
+
 def check_all_gather(script: str | Path, nproc: int = 3, timeout: float = 60) -> bool:
     """The exercise: does `script` build all_gather from point-to-point ops? Prints why or why not.
 
     The script must give rank r the tensor [10r, 10r+1, 10r+2], build the gathered list without
-    dist.all_gather, and hand it back with result(gathered=[...]).
+    dist.all_gather or any other collective, and hand it back with result(gathered=[...]).
     """
     source = Path(script).read_text()
-    if re.search(r"\ball_gather(_into_tensor|_object)?\s*\(", source):  # all_gather_by_hand( does not match
-        return not_yet("build it from send/recv (or isend/irecv), without calling dist.all_gather.")
+    called = _COLLECTIVE_CALL.search(source)
+    if called:  # a broadcast per rank, or an all_reduce of padded tensors, also gives the right answer
+        return not_yet(f"build it from send/recv (or isend/irecv), without calling dist.{called.group(1)} "
+                       "or any other collective.")
     try:
         run = launch(script, nproc=nproc, echo=False, timeout=timeout)
     except LaunchTimeout:

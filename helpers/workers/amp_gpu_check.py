@@ -4,7 +4,8 @@
     python helpers/workers/amp_gpu_check.py --per-rank-batch 4096 --steps 100
 
 Runs amp_train.py's train() for each precision on cuda:0 and prints one line per precision plus the
-ratios to fp32 (above 1: faster than fp32). bf16 needs Ampere or newer (torch.cuda.is_bf16_supported()).
+ratios to fp32 (above 1: faster than fp32). bf16 runs only where the GPU supports it natively (Ampere
+or newer): torch.cuda.is_bf16_supported() alone also says True for older GPUs that only emulate it.
 On a machine without a GPU it says so and exits with code 0: there is nothing to measure.
 """
 import argparse
@@ -27,7 +28,7 @@ def main() -> None:
         return
 
     device = torch.device("cuda:0")
-    precisions = ["fp32", "fp16"] + (["bf16"] if torch.cuda.is_bf16_supported() else [])
+    precisions = ["fp32", "fp16"] + (["bf16"] if torch.cuda.is_bf16_supported(including_emulation=False) else [])
     train("fp32", args.model, 5, args.per_rank_batch, device)  # warm-up: CUDA context, cuDNN autotuning
     outcomes = {p: train(p, args.model, args.steps, args.per_rank_batch, device) for p in precisions}
     print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, {args.model}, "

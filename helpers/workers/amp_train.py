@@ -6,7 +6,7 @@
 Runs on the GPU when there is one, else on the CPU (one thread). Only the forward pass changes between
 precisions (torch.autocast); the weights, gradients and optimizer state stay fp32 throughout.
 fp16 needs a GradScaler (its range is narrow); bf16 has fp32's range and does not.
-`helpers/workers/amp_gpu_check.py` calls train() for all three precisions on a GPU.
+`helpers/workers/amp_gpu_check.py` calls train() on a GPU for fp32, fp16 and (Ampere or newer) bf16.
 """
 import argparse
 import statistics

@@ -3,7 +3,7 @@
     torchrun --standalone --nproc-per-node 2 helpers/workers/broken_demo.py
 
 Lesson 00 launches it to show what a failure looks like: one error naming the rank and its
-traceback, and no process left behind (rank 0 is stopped while blocked in all_reduce).
+traceback, and no process left behind (rank 0, blocked in all_reduce, is stopped, or fails on the closed connection).
 """
 import torch
 import torch.distributed as dist

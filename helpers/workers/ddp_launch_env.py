@@ -4,8 +4,8 @@
     torchrun --nproc-per-node 1 helpers/workers/ddp_launch_env.py
 
 torch.distributed.launch (torch/distributed/launch.py) is torchrun plus one legacy default: unless
-given --use-env it appends --local-rank=N to the script's arguments (torch/distributed/run.py,
-get_use_env), so old scripts had to parse it. torchrun passes nothing: read LOCAL_RANK.
+given --use-env it appends --local-rank=N to the script's arguments (config_from_args in
+torch/distributed/run.py), so old scripts had to parse it. torchrun passes nothing: read LOCAL_RANK.
 """
 import os
 import sys

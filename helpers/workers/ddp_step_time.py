@@ -58,7 +58,8 @@ def main() -> None:
                 torch.set_num_threads(1)
                 seconds = block_median(DDP(build_model(name)), args.global_batch // world_size,
                                        args.block_steps, args.warmup)
-                blocks.setdefault(f"{name}, {world_size} rank(s) x 1 thread(s)", []).append(seconds)
+                blocks.setdefault(f"{name}, {world_size} rank(s) x {torch.get_num_threads()} thread(s)",
+                                 []).append(seconds)
             for threads in args.threads:  # rank 0 alone, the whole global batch
                 if rank == 0:
                     torch.set_num_threads(threads)
