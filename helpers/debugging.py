@@ -77,8 +77,11 @@ def rank_errors(run: Any) -> dict[int, str]:
 def own_fingerprints(run: Any) -> dict[int, dict[str, Any]]:
     """Per rank, the collective that rank itself was running when DETAIL mode found a mismatch.
 
-    DETAIL's message also prints the *other* rank's fingerprint, but that one comes from the check's own
-    exchange and can be garbled once the ranks are out of step; a rank's own fingerprint is reliable.
+    DETAIL's message also prints the *other* rank's fingerprint, but when the two serialized fingerprints
+    differ in length, the check compares the lengths first and the message decodes the other rank's length
+    tensor as a fingerprint (an operation numbered by that length, sequence number 0; see
+    CollectiveFingerPrint::verify in torch/csrc/distributed/c10d/ProcessGroupWrapper.cpp). A rank's own
+    fingerprint is always right.
     """
     found = {}
     for rank, text in rank_errors(run).items():

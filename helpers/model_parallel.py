@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 # What one rank keeps per parameter, in bytes, for each precision (the optimizer's own state comes on top).
-# fp32 and autocast are the same here: autocast (torch.amp) keeps fp32 weights and gradients and casts a
-# weight to 16 bits only while an op runs; those copies are transient. "mixed" is the ZeRO paper's count
+# fp32 and autocast are the same here: autocast (torch.amp) keeps fp32 weights and gradients; its 16-bit
+# casts are transient (cached while the autocast context is open, then dropped). "mixed" is the ZeRO paper's count
 # (fp16 weights and gradients, and an fp32 master copy of the weights that the optimizer updates).
 PRECISIONS = {"fp32": {"weights": 4, "gradients": 4, "master": 0},
               "autocast": {"weights": 4, "gradients": 4, "master": 0},

@@ -9,7 +9,8 @@ For each mode: one training step on random data, then each rank adds up the byte
 Then two extras that the sums above leave out, measured as the bytes of storage alive:
 - DDP's gradient buckets (one flat buffer per bucket, on top of the .grad tensors unless
   gradient_as_bucket_view=True makes the .grad tensors views into the buckets);
-- FSDP's gathered (unsharded) parameters while a step runs, with and without reshard_after_forward.
+- FSDP's gathered (unsharded) parameters while a step runs, with and without reshard_after_forward
+  (their storages, FSDPParam.all_gather_outputs; not the flat buffer an all-gather first receives into).
 Works with one process.
 """
 import argparse
