@@ -35,30 +35,69 @@ class Echo:
 
 
 class Progress:
-    """One progress bar per rank, redrawn in place in a notebook at most 5 times a second."""
+    """One progress bar per rank, redrawn in place in a notebook at most 5 times a second.
+
+    In a kernel with ipywidgets, each rank gets a live IntProgress widget; the same output also carries the
+    text bar (text/plain and text/html), which is what nbval compares, what a page without a widget front end
+    (GitHub, nbviewer) shows, and what the stored notebook keeps. The text part is refreshed at most every
+    TEXT_SECONDS and at the end; the widgets move at every draw."""
+
+    TEXT_SECONDS = 2.0
 
     def __init__(self) -> None:
         self.handle: Any = None
-        self.last_draw = 0.0
+        self.last_draw = self.last_text = 0.0
+        self.widgets: dict[int, Any] | None = None
+        self.ipywidgets: Any = None
+        self.box: Any = None
 
     def draw(self, bars: dict[int, tuple[int, int]], final: bool = False) -> None:
         now = time.monotonic()
         if not bars or (not final and now - self.last_draw < 0.2):
             return
         self.last_draw = now
-        text = "\n".join(bar(rank, done, total) for rank, (done, total) in sorted(bars.items()))
-        bundle = {"text/plain": text, "text/html": f"<pre style='margin:0'>{text}</pre>"}
         ipython = sys.modules.get("IPython")  # a notebook has imported it; a plain script never draws
         if ipython is None or ipython.get_ipython() is None:
             return
         from IPython.display import display
 
+        self._move_widgets(bars)
+        if self.handle is not None and not final and now - self.last_text < self.TEXT_SECONDS:
+            return
+        self.last_text = now
+        text = "\n".join(bar(rank, done, total) for rank, (done, total) in sorted(bars.items()))
+        bundle = {"text/plain": text, "text/html": f"<pre style='margin:0'>{text}</pre>"}
+        if self.box is not None:
+            bundle["application/vnd.jupyter.widget-view+json"] = {
+                "model_id": self.box.model_id, "version_major": 2, "version_minor": 0}
         if self.handle is None:
             self.handle = display(bundle, raw=True, display_id=True)
         else:
             self.handle.update(bundle, raw=True)
         if final:
             self.handle = None
+
+    def _move_widgets(self, bars: dict[int, tuple[int, int]]) -> None:
+        if self.widgets is None:  # the first draw: widgets if this kernel has ipywidgets
+            try:
+                import ipywidgets
+            except ImportError:
+                ipywidgets = None
+            self.ipywidgets, self.widgets = ipywidgets, {}
+        if self.ipywidgets is None:
+            return
+        added = False
+        for rank, (done, total) in sorted(bars.items()):
+            if rank not in self.widgets:
+                self.widgets[rank] = (self.ipywidgets.IntProgress(min=0, max=1, description=f"rank {rank}"),
+                                      self.ipywidgets.Label())
+                added = True
+            progress, label = self.widgets[rank]
+            progress.max = max(total, 1)
+            progress.value, label.value = min(done, progress.max), f"{done}/{total}"
+        if added:
+            self.box = self.ipywidgets.VBox([self.ipywidgets.HBox(list(self.widgets[r])) for r in sorted(self.widgets)])
+            self.last_text = 0.0  # show the new box at once
 
 
 def bar(rank: int, done: int, total: int, width: int = 30) -> str:

@@ -268,7 +268,7 @@ def wait(jobs: list[Job], timeout: float | None = None) -> list[Run]:
         for job in jobs:  # on any exit: the rest of a failed multi-node job, stragglers, open log files
             job.stop()
             job.folder.collect(final=True)
-    progress.draw(_bars(jobs), final=True)
+        progress.draw(_bars(jobs), final=True)  # the bars as the run left them, also after a failure
     runs = [job.to_run() for job in jobs]
     if any(job.agent.server_lost for job in jobs):
         raise RuntimeError(f"the launch server died during the run, and its agents with it: every worker was "
