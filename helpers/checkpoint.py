@@ -109,8 +109,12 @@ def check_atomic_save(save: Callable[[dict, Path], None], folder: str | os.PathL
         return not_yet(f"the crash destroyed the last good checkpoint ({type(error).__name__}).")
     if after["step"] != 1 or not torch.equal(after["weight"], good["weight"]):
         return not_yet("the file at `path` changed although the second save failed.")
+    inode = path.stat().st_ino
     save({"step": 3, "weight": good["weight"] * 2}, path)
     if torch.load(path, weights_only=True)["step"] != 3:
         return not_yet("a save that succeeds must replace the checkpoint.")
+    if path.stat().st_ino == inode:  # a rename puts a new file (a new inode) in place; a copy rewrites the old one
+        return not_yet("the checkpoint file was rewritten in place (a copy, or a second write): a crash during "
+                       "that rewrite would still tear it. Write a new file, then rename it over the old one.")
     return correct("a crash in the middle of a save leaves the previous checkpoint intact, "
                    "and a save that succeeds replaces it.")

@@ -100,8 +100,10 @@ def bucket_figure(model: Any, bucket_cap_mb: float | None = None, sweep: Sequenc
     fig, (left, right) = plt.subplots(1, 2, figsize=(FIGSIZE[0] * 1.4, FIGSIZE[1]), dpi=80, layout="constrained")
     sizes = ddp_buckets(model, bucket_cap_mb)["rebuilt"]
     left.bar(range(len(sizes)), [s / 2**20 for s in sizes], color="tab:blue")
+    labels = [str(i + 1) if len(sizes) <= 16 or i % 5 == 4 else "" for i in range(len(sizes))]
+    left.set_xticks(range(len(sizes)), labels)  # bucket 1, 2, ... (whole numbers, not a continuous axis)
     cap = "default" if bucket_cap_mb is None else f"{bucket_cap_mb:g} MiB"
-    left.set(xlabel="bucket, in the order gradients become ready", ylabel="MiB of gradients",
+    left.set(xlabel="bucket, numbered in the order gradients become ready", ylabel="MiB of gradients",
              title=f"bucket_cap_mb = {cap}: {len(sizes)} all-reduces per step after step 1")
     measured = [row for row in sweep or [] if row.get("bucket_cap_mb") is not None]
     if measured:

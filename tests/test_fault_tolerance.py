@@ -67,6 +67,18 @@ def test_atomic_save_passes_the_exercise_check_and_a_plain_save_does_not(tmp_pat
     assert not check_atomic_save(lambda state, path: torch.save(state, path), tmp_path / "naive")
 
 
+def test_atomic_save_check_rejects_a_temporary_file_copied_over_the_checkpoint(tmp_path, capsys):
+    import shutil
+
+    def copy_save(state, path):  # survives a crash in torch.save, but the copy itself is not atomic
+        temporary = path.with_name(path.name + ".tmp")
+        torch.save(state, temporary)
+        shutil.copyfile(temporary, path)
+
+    assert not check_atomic_save(copy_save, tmp_path)
+    assert "rewritten in place" in capsys.readouterr().out
+
+
 def test_weights_only_refuses_code_in_a_checkpoint(tmp_path):
     class Payload:
         def __reduce__(self):
