@@ -154,10 +154,25 @@ def test_fresh_interpreters_give_the_same_results(processes):
 
 
 LAUNCHING_PROCESS = textwrap.dedent("""
-    import sys
+    import faulthandler, signal, sys
+    faulthandler.register(signal.SIGUSR2, all_threads=True)  # _finish asks where it is if it does not end
+    # as a kernel does: a process started in the background by a shell (nohup ... &) inherits SIGINT ignored
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from helpers import launch
     launch(sys.argv[1], nproc=2, echo=False, log_dir="the_run", fresh=sys.argv[2] == "fresh")
 """)
+
+
+def _finish(proc: subprocess.Popen, timeout: float) -> str:
+    """The launching process's stderr once it ends; if it has not ended within `timeout`, fail with its stacks."""
+    try:
+        return proc.communicate(timeout=timeout)[1]
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGUSR2)
+        time.sleep(1)
+        proc.kill()
+        stderr = proc.communicate()[1]
+        pytest.fail(f"the launching process did not end within {timeout} s after SIGINT; its stderr:\n{stderr[-6000:]}")
 
 
 def _start_launching_process(tmp_path: Path, processes, worker: str = "sleeper.py", ready: str = "sleeping",
@@ -182,7 +197,7 @@ def test_interrupt_stops_every_rank_within_5_seconds(tmp_path, processes):
     pids = processes.worker_pids(run_dir)
     interrupted = time.monotonic()
     proc.send_signal(signal.SIGINT)
-    _, stderr = proc.communicate(timeout=10)
+    stderr = _finish(proc, 10)
     assert "KeyboardInterrupt" in stderr and "Interrupted: stopped every worker" in stderr
     while any(processes.alive(pid) for pid in pids):
         assert time.monotonic() - interrupted < 5, "workers survived an interrupt"
@@ -321,7 +336,7 @@ def test_interrupt_during_a_hang_says_where_every_rank_was(tmp_path, fresh, proc
     proc, run_dir = _start_launching_process(tmp_path, processes, "hang_in_collective.py", "hanging", fresh=fresh)
     pids = processes.worker_pids(run_dir)
     proc.send_signal(signal.SIGINT)
-    _, stderr = proc.communicate(timeout=15)
+    stderr = _finish(proc, 15)
     assert "LaunchInterrupted" in stderr and "Interrupted: stopped every worker" in stderr
     assert f"rank 0: {RANK0_WHERE}" in stderr and f"rank 1: {RANK1_WHERE}" in stderr
     assert not [pid for pid in pids if processes.alive(pid)]
