@@ -13,28 +13,40 @@ def mp_spawn_from_notebook(function: Callable, nprocs: int = 2, args: tuple = ()
 
     A child that dies before torch's ``_wrap`` runs leaves no error file, so mp.spawn's exception says
     only "terminated with exit code 1"; the child's reason is on its stderr (fd 2, which ipykernel
-    forwards into the cell as a separate wall of text). We send fd 2 to a file for the call and keep
-    its last line."""
+    forwards into the cell as a separate wall of text, the children's lines interleaved). So each child
+    starts through a two-line shell script that sends its stderr to a file of its own
+    (``multiprocessing.set_executable``, which the spawn start method uses for every child), and the
+    error keeps the last line of the first child's file."""
     __tracebackhide__ = True
+    import multiprocessing.spawn
+    import sys
+
     import torch.multiprocessing as mp
 
     # spawn logs "Terminating process <pid>" while cleaning up; the short error below says it all
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
-    with tempfile.TemporaryFile(mode="w+") as capture:
-        saved = os.dup(2)
-        os.dup2(capture.fileno(), 2)
+    with tempfile.TemporaryDirectory() as folder:
+        starter = os.path.join(folder, "python-with-own-stderr")
+        with open(starter, "w") as file:
+            file.write(f'#!/bin/sh\nexec "{sys.executable}" "$@" 2>"{folder}/stderr-$$.txt"\n')
+        os.chmod(starter, 0o755)
+        executable = multiprocessing.spawn.get_executable()
+        multiprocessing.spawn.set_executable(starter)
         try:
             mp.spawn(function, args=args, nprocs=nprocs, join=True)
         except Exception as error:
-            os.dup2(saved, 2)
-            capture.seek(0)
-            lines = [line for line in capture.read().splitlines() if line.strip()]
-            child = lines[-1] if lines else "(no message)"
+            said = []
+            for name in sorted(os.listdir(folder)):
+                if name.startswith("stderr-"):
+                    with open(os.path.join(folder, name)) as file:
+                        lines = [line for line in file.read().splitlines() if line.strip()]
+                    if lines:
+                        said.append(lines[-1])
+            child = sorted(said)[0] if said else "(no message)"
             code = getattr(error, "exit_code", "?")
             # from None: the chained ProcessExitedException would repeat torch's frames; its type and
             # message are in this one
             raise RuntimeError(f"mp.spawn raised {type(error).__name__} (a child exited with code {code}); "
                                f"the child's stderr said: {child}") from None
         finally:
-            os.dup2(saved, 2)
-            os.close(saved)
+            multiprocessing.spawn.set_executable(executable)

@@ -11,11 +11,14 @@ the ranks meet at a barrier, as before writing a checkpoint. One planted bug at 
   shape         rank 1's gradient has one number more (its model has one parameter more)
 Tools: --monitored   monitored_barrier instead of barrier (gloo only): rank 0 names the ranks that never came
        TORCH_DISTRIBUTED_DEBUG=DETAIL (launch(..., debug=True)): each collective is compared across ranks first
-       --flight-recorder DIR  keep a record of the last collectives; each rank dumps it to DIR/rank<N> on an error
+       --flight-recorder DIR  keep a record of the last collectives; each rank dumps it to DIR/rank<N> every
+                              second and on an error
        --timeout S   seconds a collective waits before it fails (gloo's default is 30 minutes)
 """
 import argparse
 import os
+import threading
+import time
 from datetime import timedelta
 
 import torch
@@ -65,6 +68,29 @@ def train(args: argparse.Namespace, rank: int) -> tuple[int, float]:
     return step, samples.item()
 
 
+def dump_flight_record(folder: str, rank: int) -> None:
+    """Write this rank's Flight Recorder (torch's pickle format) to folder/rank<N>, atomically."""
+    from torch._C._distributed_c10d import _dump_fr_trace
+
+    os.makedirs(folder, exist_ok=True)
+    path, temporary = os.path.join(folder, f"rank{rank}"), os.path.join(folder, f".rank{rank}.tmp")
+    with open(temporary, "wb") as file:
+        file.write(_dump_fr_trace())
+    os.replace(temporary, path)
+
+
+def keep_dumping(folder: str, rank: int, seconds: float = 1.0) -> None:
+    """Dump every `seconds` from a background thread: the rank whose collective fails second can be stopped by
+    the agent before its own error arrives, and gloo dumps nothing by itself. The main thread, blocked in a
+    collective, has released the GIL, so this thread runs meanwhile."""
+    def loop() -> None:
+        while True:
+            time.sleep(seconds)
+            dump_flight_record(folder, rank)
+
+    threading.Thread(target=loop, daemon=True).start()
+
+
 def main() -> None:
     args = parse_args()
     # torch reads TORCH_DISTRIBUTED_DEBUG once, when torch.distributed is imported; a worker forked from a
@@ -73,17 +99,15 @@ def main() -> None:
     if args.flight_recorder:  # must be set before the process group is created
         os.environ["TORCH_FR_BUFFER_SIZE"] = "100"
     rank, world_size, _ = init_distributed(timeout=timedelta(seconds=args.timeout))
+    if args.flight_recorder:
+        keep_dumping(args.flight_recorder, rank)
     if args.global_batch:
         args.per_rank_batch = args.global_batch // world_size
     try:
         steps, samples = train(args, rank)
     except Exception:
         if args.flight_recorder:
-            from torch._C._distributed_c10d import _dump_fr_trace
-
-            os.makedirs(args.flight_recorder, exist_ok=True)
-            with open(os.path.join(args.flight_recorder, f"rank{rank}"), "wb") as file:
-                file.write(_dump_fr_trace())
+            dump_flight_record(args.flight_recorder, rank)  # the last word: everything up to the error
         raise
     result(steps=steps, samples=samples)
     dist.destroy_process_group()
