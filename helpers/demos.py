@@ -16,7 +16,8 @@ def mp_spawn_from_notebook(function: Callable, nprocs: int = 2, args: tuple = ()
     forwards into the cell as a separate wall of text, the children's lines interleaved). So each child
     starts through a two-line shell script that sends its stderr to a file of its own
     (``multiprocessing.set_executable``, which the spawn start method uses for every child), and the
-    error keeps the last line of the first child's file."""
+    error keeps the last line the children wrote (they all fail alike; the first in sorted order, so the
+    message does not depend on which child was faster)."""
     __tracebackhide__ = True
     import multiprocessing.spawn
     import sys
