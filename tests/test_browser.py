@@ -168,7 +168,18 @@ def _wait(page, condition, timeout: float, what: str) -> dict:
         if condition(state):
             return state
         time.sleep(0.5)
-    raise AssertionError(f"{what}: not within {timeout:.0f} s; last state {json.dumps(state)[:2000]}")
+    raise AssertionError(f"{what}: not within {timeout:.0f} s; last state:\n{_summary(state)}")
+
+
+def _summary(state: dict) -> str:
+    """One line per code cell: its count, its errors and the start of its source, so a stalled Run All
+    shows where it stopped and why."""
+    lines = [f"kernel {state['status']}, {state['running']} cell(s) running"]
+    for index, cell in enumerate(state["cells"]):
+        errors = [f"{o['ename']}: {o['evalue'][:300]}" for o in cell["outputs"] if o["output_type"] == "error"]
+        source = cell["source"].replace("\n", " | ")[:60]
+        lines.append(f"  code cell {index:2d} [{cell['count'] or ' '}] {source}  {'; '.join(errors)}".rstrip())
+    return "\n".join(lines)
 
 
 def _text(outputs: list[dict]) -> str:

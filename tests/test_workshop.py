@@ -121,3 +121,14 @@ def test_every_lesson_in_the_student_copy_has_a_check_that_says_not_yet_on_the_s
                 and CHECK_CALL.search("".join(cell["source"])) and "NBVAL_IGNORE_OUTPUT" not in "".join(cell["source"])
                 for o in cell.get("outputs", []) if o["output_type"] == "stream"]
         assert any(text.startswith("Not yet: ") for text in said), f"{name}: no check says Not yet: {said}"
+
+
+def test_every_file_a_lesson_writes_lands_in_a_folder_a_fresh_clone_has(student_copy):
+    # IPython's %%writefile does not create folders: a lesson that writes to runs/ works after lesson 00
+    # made runs/ and fails for a learner who starts a fresh clone (or a student copy) at that lesson
+    written = [(name, match.group(1)) for name, notebook in _notebooks(student_copy).items()
+               for cell in notebook["cells"] if cell["cell_type"] == "code"
+               for match in [re.match(r"%%writefile\s+(?:-a\s+)?(\S+)", "".join(cell["source"]))] if match]
+    assert written, "the lessons' exercises write their files with %%writefile"
+    missing = [(name, path) for name, path in written if not (student_copy / "notebooks" / path).parent.is_dir()]
+    assert not missing, f"%%writefile into a folder that a fresh copy lacks: {missing}"
