@@ -8,7 +8,7 @@
 
 Each explorer is a thin ipywidgets layer over a plain function that a lesson prints and asserts. Each
 `*_figure` function draws the same picture for fixed values without widgets: the lessons show it for the
-default case, so that a stored notebook reads well where widgets do not run (GitHub, nbviewer, nbval).
+explorer's starting values, so that a stored notebook reads well where widgets do not run (GitHub, nbviewer, nbval).
 """
 from __future__ import annotations
 
@@ -26,9 +26,10 @@ PARTS = ("weights", "gradients", "optimizer state", "activations")
 
 
 def tree_allreduce_seconds(size_bytes: float, world_size: int, latency: float, bandwidth: float) -> float:
-    """A textbook binary tree: reduce up, then broadcast down, ceil(log2 N) levels each, whole message per level.
+    """A binomial tree (one partner per level): reduce up, then broadcast down, ceil(log2 N) levels each, the
+    whole message at every level (the unpipelined cost in Thakur, Rabenseifner and Gropp, 2005).
 
-    Each level costs what one 2-rank step costs in the ring model (latency / 2, plus the bytes at `bandwidth`).
+    Each level pays one alpha (latency / 2, as in the ring model) plus the whole message at `bandwidth`.
     Not pipelined: NCCL's double binary trees cut the message into chunks so that levels overlap, which keeps
     the logarithmic latency and brings the bandwidth term close to the ring's.
     """
@@ -53,10 +54,11 @@ def allreduce_figure(latency: float, bandwidth: float, world_size: int = 8, algo
     if ax is None:
         _, ax = plt.subplots(figsize=FIGSIZE, dpi=80, layout="constrained")
     sizes = [2.0**k for k in range(10, 31)]
-    for n, style in ((2, ":"), (world_size, "-")):
-        label = "2 ranks (the fit)" if n == 2 else f"{n} ranks, {algorithm}"
-        ax.plot(sizes, [allreduce_seconds(s, n, latency, bandwidth, algorithm) * 1e3 for s in sizes], style,
-                label=label)
+    # the fit itself (latency + bytes / bandwidth, what 2 ranks measured), whichever algorithm is chosen
+    ax.plot(sizes, [predict_allreduce_seconds(s, 2, latency, bandwidth) * 1e3 for s in sizes], ":",
+            label="2 ranks (the fit)")
+    ax.plot(sizes, [allreduce_seconds(s, world_size, latency, bandwidth, algorithm) * 1e3 for s in sizes], "-",
+            label=f"{world_size} ranks, {algorithm}")
     if measured is not None:
         ax.plot(measured[0], [t * 1e3 for t in measured[1]], "o", label="measured here, 2 ranks")
     chosen = allreduce_seconds(size_bytes, world_size, latency, bandwidth, algorithm)
@@ -74,10 +76,11 @@ def ddp_buckets(model: Any, bucket_cap_mb: float | None) -> dict[str, list[int]]
     torch 2.14, nn/parallel/distributed.py: `_BucketCapacityConfig.create` turns `bucket_cap_mb` into a first-
     bucket cap (`dist._DEFAULT_FIRST_BUCKET_BYTES`, 1 MiB, when the argument is left at its default; else the
     same as the others) and a cap for the rest (25 MiB by default). `compute_bucket_size_limits` puts every
-    parameter in one bucket for step 1 (unless find_unused_parameters=True); during step 1 the reducer
-    records the order in which gradients became ready and then rebuilds the buckets once with the two caps,
-    packing with `dist._compute_bucket_assignment_by_size`. For a model run front to back, gradients become
-    ready back to front, so the rebuild is modelled on the reversed parameter list.
+    parameter in one bucket for step 1 (unless find_unused_parameters=True and static_graph=False); during
+    step 1 the reducer records the order in which gradients became ready and then rebuilds the buckets once
+    with the two caps, packing with the C++ `compute_bucket_assignment_by_size` (bound as
+    `dist._compute_bucket_assignment_by_size`, which this function calls). For a model run front to back,
+    gradients become ready back to front, so the rebuild is modelled on the reversed parameter list.
     """
     import torch.distributed as dist
     from torch.nn.parallel.distributed import _BucketCapacityConfig
