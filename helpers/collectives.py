@@ -4,7 +4,7 @@
     draw_collectives(run, ["broadcast", "all_reduce"])   # run of helpers/workers/collectives_tour.py
     latency, bandwidth = fit_latency_bandwidth(sizes, seconds)          # a 2-rank sweep
     predict_allreduce_seconds(64 * 2**20, 8, latency, bandwidth)        # the ring model for 8 ranks
-    check_all_gather("my_all_gather.py")            # the lesson's exercise
+    check_all_gather("my_all_gather.py")                 # the lesson's exercise
 
 Taught in notebooks/01_collectives.ipynb.
 """

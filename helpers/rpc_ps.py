@@ -2,7 +2,7 @@
 
     from helpers.rpc_ps import start_rpc, worker_name, trainer_batches, accuracy, warnings_seen
     rank, world_size = start_rpc()          # rank 0 is "ps", the others "trainer1", "trainer2", ...
-    check_counter("my_counter.py")     # the exercise's check: prints "Correct: ..." or "Not yet: ..."
+    check_counter("my_counter.py")          # the exercise's check: prints "Correct: ..." or "Not yet: ..."
 
 Taught in notebooks/05_rpc.ipynb. The functions that peers call remotely live in the worker scripts
 themselves (helpers/workers/rpc_*.py): a script runs as ``__main__`` on every rank, so the name
