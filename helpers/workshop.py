@@ -14,6 +14,7 @@ helpers, notebooks), not the tests or CI.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import re
 import shutil
@@ -61,9 +62,45 @@ def student_cells(cells: list[dict], clear_outputs: bool = False) -> list[dict]:
 
 
 def _tracked(paths: tuple[str, ...]) -> list[Path]:
-    """The files git tracks under `paths` (no caches, run folders or virtual environments)."""
-    listing = subprocess.run(["git", "ls-files", "--", *paths], cwd=ROOT, capture_output=True, text=True, check=True)
+    """The files git tracks under `paths` (no caches, run folders or virtual environments). Outside a git
+    checkout (a downloaded zip, a copied folder) the same list comes from the files on disk minus .gitignore."""
+    try:
+        listing = subprocess.run(["git", "ls-files", "--", *paths], cwd=ROOT, capture_output=True, text=True,
+                                 check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return _not_ignored(paths)
     return [Path(line) for line in listing.stdout.splitlines() if line]
+
+
+def _ignore_patterns() -> list[str]:
+    gitignore = ROOT / ".gitignore"
+    lines = gitignore.read_text(encoding="utf-8").splitlines() if gitignore.exists() else []
+    return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+
+
+def _ignored(relative: Path, patterns: list[str]) -> bool:
+    """.gitignore's rules as this project uses them: `name/` is a folder anywhere, `/name` or `a/b` is anchored
+    at the root, a bare `*.ext` matches a file name anywhere (no negations)."""
+    for pattern in patterns:
+        folder_only = pattern.endswith("/")
+        body = pattern.rstrip("/")
+        anchored = "/" in body
+        body = body.lstrip("/")
+        candidates = [Path(*relative.parts[:i]) for i in range(1, len(relative.parts) + (0 if folder_only else 1))]
+        for candidate in candidates:
+            if candidate.match(body) if not anchored else fnmatch.fnmatchcase(candidate.as_posix(), body):
+                return True
+    return False
+
+
+def _not_ignored(paths: tuple[str, ...]) -> list[Path]:
+    patterns = _ignore_patterns()
+    found = []
+    for name in paths:
+        top = ROOT / name
+        files = [top] if top.is_file() else sorted(f for f in top.rglob("*") if f.is_file())
+        found += [f.relative_to(ROOT) for f in files if not _ignored(f.relative_to(ROOT), patterns)]
+    return found
 
 
 def write_copy(destination: str | Path, student: bool, clear_outputs: bool = False) -> list[Path]:

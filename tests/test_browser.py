@@ -121,7 +121,12 @@ def _kernel_processes(server: psutil.Process) -> list[psutil.Process]:
 def _own_kernel(page, server: psutil.Process) -> psutil.Process:
     """The kernel process of the notebook open in `page` (its connection file names the kernel id)."""
     kernel_id = page.evaluate("() => window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.id")
-    found = [p for p in _kernel_processes(server) if f"kernel-{kernel_id}.json" in " ".join(p.cmdline())]
+    deadline = time.monotonic() + 10  # a kernel that is restarting has no process for a moment
+    while True:
+        found = [p for p in _kernel_processes(server) if f"kernel-{kernel_id}.json" in " ".join(p.cmdline())]
+        if len(found) == 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert len(found) == 1, f"kernel {kernel_id}: {found}"
     return found[0]
 
@@ -294,6 +299,9 @@ def test_kernel_restart_during_a_launch_leaves_nothing(browser, lab):
         while _descendants_alive(tree) and time.monotonic() < deadline:
             time.sleep(0.3)
         assert not _descendants_alive(tree), f"left running after a kernel restart: {_descendants_alive(tree)}"
+        # and the restarted kernel comes back usable, as the learner expects (its new process is what _close ends)
+        page.wait_for_function("""() => { const k = window.jupyterapp.shell.currentWidget.sessionContext.session.kernel;
+            return k && k.status === 'idle'; }""", timeout=60_000)
     finally:
         _close(page, lab)
 

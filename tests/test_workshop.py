@@ -132,3 +132,17 @@ def test_every_file_a_lesson_writes_lands_in_a_folder_a_fresh_clone_has(student_
     assert written, "the lessons' exercises write their files with %%writefile"
     missing = [(name, path) for name, path in written if not (student_copy / "notebooks" / path).parent.is_dir()]
     assert not missing, f"%%writefile into a folder that a fresh copy lacks: {missing}"
+
+
+def test_a_copy_outside_git_takes_the_same_files_as_git_would(monkeypatch):
+    # a downloaded zip has no .git: the copy then walks the folders and applies .gitignore itself; catches a
+    # fallback that copies run folders, caches or learners' exercise files, or drops tracked files
+    patterns = workshop._ignore_patterns()
+    for ignored in ("notebooks/runs/20260101-000000-x/rank0.log", "helpers/__pycache__/launch.cpython-311.pyc",
+                    "notebooks/my_all_gather.py", "notebooks/.ipynb_checkpoints/00-checkpoint.ipynb"):
+        assert workshop._ignored(Path(ignored), patterns), ignored
+    for kept in ("notebooks/00_start_here.ipynb", "helpers/workers/whoami.py", "binder/postBuild", "README.md"):
+        assert not workshop._ignored(Path(kept), patterns), kept
+    with_git = workshop._tracked(workshop.LEARNER_FILES)
+    monkeypatch.setenv("PATH", "")  # no git to run
+    assert sorted(workshop._tracked(workshop.LEARNER_FILES)) == sorted(with_git)
