@@ -20,7 +20,7 @@ import numpy as np
 from matplotlib.patches import Rectangle
 
 from helpers.checks import correct, not_yet
-from helpers.launch import LaunchTimeout, Run, WorkerFailed, launch
+from helpers.launcher.api import LaunchTimeout, Run, WorkerFailed, launch
 
 RANK_COLOURS = plt.get_cmap("tab10").colors
 COMBINED_COLOUR = "0.75"  # a number made by adding several ranks' numbers

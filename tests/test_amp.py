@@ -5,7 +5,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from helpers import launch
+from helpers import WORKERS, launch
 from helpers.amp import (
     bytes_per_parameter,
     check_amp_train_step,
@@ -16,8 +16,6 @@ from helpers.amp import (
     underflow_fraction,
 )
 from helpers.models import SimpleModel
-
-WORKERS = Path(__file__).resolve().parent.parent / "helpers" / "workers"
 
 
 def test_format_facts_match_ieee_and_bf16() -> None:

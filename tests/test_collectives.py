@@ -1,9 +1,8 @@
 """Lesson 01's workers and helpers, with real launches at the smallest size that shows the behaviour."""
-from pathlib import Path
 
 import pytest
 
-from helpers import launch
+from helpers import WORKERS, launch
 from helpers.collectives import (
     bandwidth_rows,
     bus_factor,
@@ -13,8 +12,6 @@ from helpers.collectives import (
     owner,
     predict_allreduce_seconds,
 )
-
-WORKERS = Path(__file__).resolve().parent.parent / "helpers" / "workers"
 
 
 def test_tour_gives_every_collective_its_documented_result():

@@ -2,23 +2,17 @@
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from helpers import REPO_ROOT as ROOT
 from helpers import WorkerFailed, launch
-from helpers.checks import max_abs_diff
+from helpers.article import article_source
 from helpers.data import DIGITS_NAME, load
-from helpers.ddp import (
-    article_source,
-    check_ddp_worker,
-    last_error_line,
-    single_process_reference,
-    undefined_names,
-)
+from helpers.ddp import check_ddp_worker, last_error_line, single_process_reference, undefined_names
+from helpers.tensors import max_abs_diff
 
-ROOT = Path(__file__).resolve().parent.parent
 WORKERS = ROOT / "helpers" / "workers"
 
 

@@ -9,17 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import LaunchTimeout, WorkerFailed, launch
-from helpers.debugging import (
-    check_mystery,
-    checksums,
-    last_collective,
-    own_fingerprints,
-    read_flight_records,
-    repair_gloo_dump,
-)
+from helpers import WORKERS, LaunchTimeout, WorkerFailed, launch
+from helpers.debugging import check_mystery, last_collective, own_fingerprints, read_flight_records, repair_gloo_dump
+from helpers.tensors import checksums
 
-WORKERS = Path(__file__).resolve().parent.parent / "helpers" / "workers"
 COLLECTIVES, DDP_BUGS, MYSTERY = (WORKERS / name for name in ("debug_collectives.py", "debug_ddp.py",
                                                              "debug_mystery.py"))
 
@@ -159,7 +152,7 @@ def test_nan_on_one_rank_spreads_the_flags_and_anomaly_find_it_and_the_agreed_sk
 # ------------------------------------------------------------------ debug_mystery.py
 
 def test_mystery_nan_flag_names_every_rank_anomaly_names_the_planted_one_and_eps_fixes_it():
-    from helpers.workers.debug_mystery import planted
+    from helpers.debugging import planted
 
     rank, step = planted()
     flagged = launch(MYSTERY, nproc=2, args=["--nan-check"], timeout=60, echo=False)

@@ -1,28 +1,15 @@
 """Lesson 03: DataParallel's CPU twin, the overlap measure, the exercise check, and the dp_vs_ddp_* workers."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from torch import nn
 
-from helpers import launch
-from helpers.checks import max_abs_diff
-from helpers.dp import (
-    NaiveDataParallel,
-    check_traffic,
-    intersect,
-    merge,
-    overlap,
-    replicate,
-    single_device_gradients,
-    subtract,
-    torch_replicate_on_cpu,
-)
+from helpers import WORKERS, launch
+from helpers.cpu_data_parallel import NaiveDataParallel, replicate, torch_replicate_on_cpu
+from helpers.dp_vs_ddp import check_traffic, intersect, merge, overlap, single_device_gradients, subtract
 from helpers.models import SimpleModel
-
-WORKERS = Path(__file__).resolve().parent.parent / "helpers" / "workers"
+from helpers.tensors import max_abs_diff
 
 
 @pytest.fixture(autouse=True)

@@ -3,12 +3,11 @@ from __future__ import annotations
 
 import io
 import random
-from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import WorkerFailed, free_port, launch, start, wait
+from helpers import WORKERS, WorkerFailed, free_port, launch, start, wait
 from helpers.checkpoint import (
     check_atomic_save,
     load_checkpoint,
@@ -18,7 +17,7 @@ from helpers.checkpoint import (
     temporary_path,
 )
 
-TRAIN = Path(__file__).resolve().parent.parent / "helpers" / "workers" / "fault_tolerance_train.py"
+TRAIN = WORKERS / "fault_tolerance_train.py"
 SMALL = ["--steps", "6", "--checkpoint-every", "2", "--per-rank-batch", "16"]
 
 

@@ -13,10 +13,10 @@ from pathlib import Path
 import psutil
 import pytest
 
+from helpers import REPO_ROOT as ROOT
 from helpers import LaunchInterrupted, LaunchTimeout, WorkerFailed, free_port, launch, start, wait
-from helpers._handles import LaunchServer
+from helpers.launcher.processes import LaunchServer
 
-ROOT = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "workers"
 ALLREDUCE = ROOT / "helpers" / "workers" / "allreduce_demo.py"
 
@@ -223,7 +223,7 @@ def test_cell_magic_runs_the_cell_as_a_worker():
     shell.run_line_magic("load_ext", "helpers")
     shell.run_cell_magic("torchrun", "-n 2 --out magic_run -- 7", textwrap.dedent("""
         import os, sys
-        from helpers.worker import result
+        from helpers.reporting import result
         result(rank=int(os.environ["RANK"]), arg=sys.argv[1])
     """))
     run = shell.user_ns["magic_run"]
@@ -260,7 +260,7 @@ def test_a_notebook_shows_the_message_not_the_launchers_frames():
     shown = captured.stdout
     assert shown.splitlines()[0].endswith("rank 1 failed first, with exit code 1; no other rank is left running.")
     assert "WorkerFailed" in shown and "ValueError: rank 1 broke on purpose" in shown
-    assert "helpers/launch.py" not in shown and "helpers/_" not in shown
+    assert "helpers/launcher/api.py" not in shown and "helpers/_" not in shown
 
 
 def test_a_rank_killed_by_a_signal_is_blamed_not_the_peer_it_broke(processes):
@@ -409,7 +409,7 @@ def test_fresh_mode_failure_and_timeout(processes):
     ("4", "3", 2, "3"),  # the caller's OMP_NUM_THREADS wins
 ])
 def test_workshop_cpu_budget_sets_threads_per_worker(monkeypatch, tmp_path, cpus, omp, nproc, expected):
-    from helpers._spec import worker_env
+    from helpers.launcher.spec import worker_env
 
     for name, value in (("LESSONS_CPUS", cpus), ("OMP_NUM_THREADS", omp)):
         if value is None:
@@ -433,15 +433,15 @@ def test_debug_names_mismatched_collectives():
     assert "Tensor shapes: 3vs 4" in str(caught.value) or "Tensor shapes: 4vs 3" in str(caught.value)
 
 
-def test_a_worker_importing_helpers_worker_pays_for_nothing_else():
-    code = ("import sys; from helpers.worker import result; "
+def test_a_worker_importing_helpers_reporting_pays_for_nothing_else():
+    code = ("import sys; from helpers.reporting import result; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('helpers', 'psutil', 'torch', 'IPython')))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert loaded.strip() == "['helpers', 'helpers._run_folder', 'helpers.worker']"
+    assert loaded.strip() == "['helpers', 'helpers.launcher', 'helpers.launcher.run_folder', 'helpers.reporting']"
 
 
 def test_echo_prints_labelled_lines_up_to_its_limit(capsys):
-    from helpers._display import Echo
+    from helpers.launcher.console import Echo
 
     echo = Echo(2, "runs/x/rank<N>.log")
     echo.show([(0, "stdout", "a"), (1, "stderr", "b"), (0, "stdout", "c")])

@@ -1,12 +1,11 @@
 """Lesson 07's workers and helpers/model_parallel.py at the smallest sizes that show the behaviour."""
-from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import launch
+from helpers import WORKERS, launch
+from helpers.instruments import SavedActivations
 from helpers.model_parallel import (
-    SavedActivations,
     activation_bytes,
     bubble_fraction,
     check_smallest_mode,
@@ -14,11 +13,8 @@ from helpers.model_parallel import (
     measured_slots,
     memory_per_rank,
     pipeline_schedule,
-    split_stages,
 )
-from helpers.models import mlp
-
-WORKERS = Path(__file__).resolve().parent.parent / "helpers" / "workers"
+from helpers.models import mlp, split_stages
 
 
 def test_memory_per_rank_shards_one_more_part_per_mode():

@@ -5,10 +5,11 @@ from pathlib import Path
 
 import pytest
 
-from helpers import LaunchTimeout, WorkerFailed, launch
-from helpers.rpc_ps import check_counter, is_alive, worker_name
+from helpers import WORKERS, LaunchTimeout, WorkerFailed, launch
+from helpers.launcher.run_folder import alive
+from helpers.rpc import check_counter
+from helpers.rpc_training import worker_name
 
-WORKERS = Path(__file__).resolve().parent.parent / "helpers" / "workers"
 SOLUTION = (WORKERS / "rpc_counter_solution.py").read_text()
 
 
@@ -70,7 +71,7 @@ def test_dead_trainer_fails_the_launch_with_its_traceback_and_leaves_no_process(
     assert caught.value.rank == 2 and caught.value.exitcode == 1
     assert "trainer2 crashed at step 5 (simulated)" in str(caught.value)
     pids = [row["pid"] for row in caught.value.run.metrics if "pid" in row]
-    assert len(pids) == 3 and not any(is_alive(pid) for pid in pids)
+    assert len(pids) == 3 and not any(alive(pid) for pid in pids)
 
 
 def test_a_silently_vanished_trainer_leaves_the_others_in_shutdown_past_the_rpc_timeout():

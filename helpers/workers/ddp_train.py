@@ -23,9 +23,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from helpers.data import load
-from helpers.ddp import parameter_checksum
 from helpers.models import build_model
-from helpers.worker import progress, report, result
+from helpers.reporting import progress, report, result
+from helpers.tensors import parameter_checksum
 
 
 def parse_args() -> argparse.Namespace:

@@ -1,8 +1,8 @@
 """What one learner costs a machine, lesson by lesson: peak memory, peak processes, CPU-seconds.
 
-    python -m helpers.sizing                       # every lesson, one after another (a few minutes)
-    python -m helpers.sizing notebooks/02_ddp.ipynb
-    python -m helpers.sizing --inplace             # maintainers: also store the executed lessons (as notebook_tools)
+    python -m helpers.tools.sizing                  # every lesson, one after another (a few minutes)
+    python -m helpers.tools.sizing notebooks/02_ddp.ipynb
+    python -m helpers.tools.sizing --inplace        # maintainers: also store the executed lessons
 
 Each notebook runs top to bottom in a fresh kernel, as a learner's Run All would, on a copy (the lesson
 itself is not rewritten). Meanwhile the kernel and everything it starts (the launch server, torchrun
@@ -28,20 +28,10 @@ from pathlib import Path
 
 import psutil
 
-ROOT = Path(__file__).resolve().parent.parent
+from helpers import REPO_ROOT as ROOT
+
 SAMPLE_SECONDS = 0.2
 PR_SET_CHILD_SUBREAPER = 36
-RUNNER = """
-import sys, nbformat, nbclient
-notebook = nbformat.read(sys.argv[1], as_version=4)
-nbclient.NotebookClient(notebook, timeout=900, kernel_name="python3", allow_errors=True,
-                        resources={"metadata": {"path": sys.argv[2]}}).execute()
-if sys.argv[3] == "inplace":
-    nbformat.write(notebook, sys.argv[1])
-errors = [o.get("ename") for c in notebook.cells if c.cell_type == "code" for o in c.get("outputs", [])
-          if o.get("output_type") == "error" and "raises-exception" not in c.metadata.get("tags", [])]
-sys.exit(1 if errors else 0)
-"""
 
 
 def _become_subreaper() -> None:
@@ -81,9 +71,8 @@ def measure(notebook: Path, inplace: bool = False) -> dict[str, float]:
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     with tempfile.TemporaryDirectory() as scratch:
         started = time.perf_counter()
-        env = {**os.environ, "LESSONS_DATA": "digits"} if inplace else None
-        runner = subprocess.Popen([sys.executable, "-c", RUNNER, str(notebook), str(notebook.parent),
-                                   "inplace" if inplace else "measure"], env=env,
+        command = [sys.executable, "-m", "helpers.tools.notebook_tools", str(notebook)]
+        runner = subprocess.Popen(command + ([] if inplace else ["--no-store"]),
                                   stdout=subprocess.DEVNULL, stderr=open(Path(scratch) / "runner.log", "w"))
         handle = psutil.Process(runner.pid)
         peak_bytes, peak_processes = 0, 0
@@ -94,10 +83,6 @@ def measure(notebook: Path, inplace: bool = False) -> dict[str, float]:
             time.sleep(SAMPLE_SECONDS)
         seconds = time.perf_counter() - started
         _reap_all(time.time() + 10)
-    if inplace:
-        from helpers.notebook_tools import strip_traceback_paths
-
-        strip_traceback_paths(notebook)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return {"peak MiB": peak_bytes / 2**20, "peak processes": peak_processes, "CPU-seconds": cpu,

@@ -1,6 +1,6 @@
 """The launcher's console: labelled, coloured lines of each rank, and a progress bar. It only prints.
 
-The lines come from the run folder (helpers/_run_folder.py), complete, so they are never torn.
+The lines come from the run folder (helpers/run_folder.py), complete, so they are never torn.
 """
 from __future__ import annotations
 
