@@ -16,6 +16,7 @@ import pytest
 from helpers import REPO_ROOT as ROOT
 from helpers import LaunchInterrupted, LaunchTimeout, WorkerFailed, free_port, launch, start, wait
 from helpers.launcher.processes import LaunchServer
+from helpers.launcher.run_folder import rank_file, rank_log
 
 WORKERS = Path(__file__).resolve().parent / "workers"
 ALLREDUCE = ROOT / "helpers" / "workers" / "allreduce_demo.py"
@@ -31,8 +32,8 @@ def test_success_returns_logs_results_and_folder(processes):
     assert sorted(run.logs) == [0, 1]
     assert "after [10.0, 12.0, 14.0, 16.0]" in run.logs[1]
     assert run.results[0]["after"] == run.results[1]["after"] == [10.0, 12.0, 14.0, 16.0]
-    assert {p.name for p in run.log_dir.iterdir()} >= {"rank0.log", "rank1.log"}
-    assert "rank 1/2" in (run.log_dir / "rank1.log").read_text()
+    assert Path(rank_log(run.log_dir, 0)).is_file()
+    assert "rank 1/2" in Path(rank_log(run.log_dir, 1)).read_text()
     assert 0 < run.wall_time < 60
     processes.nothing_left(run.log_dir)
 
@@ -182,7 +183,7 @@ def _start_launching_process(tmp_path: Path, processes, worker: str = "sleeper.p
                              "fresh" if fresh else "fork"], cwd=tmp_path, stderr=subprocess.PIPE, text=True)
     run_dir = tmp_path / "the_run"
     deadline = time.monotonic() + 60
-    while len(processes.worker_pids(run_dir)) < 2 or any(ready not in _read(run_dir / f"rank{r}.log") for r in (0, 1)):
+    while len(processes.worker_pids(run_dir)) < 2 or any(ready not in _read(rank_log(run_dir, r)) for r in (0, 1)):
         assert time.monotonic() < deadline, "workers did not start"
         time.sleep(0.1)
     return proc, run_dir
@@ -299,7 +300,7 @@ def test_timeout_says_where_every_rank_hangs(processes):
     # the full stacks: the collective's own frame for rank 0, the learner's line for both
     assert "distributed_c10d.py" in error.stacks[0] and 'hang_in_collective.py", line 15' in error.stacks[0]
     assert 'hang_in_collective.py", line 17' in error.stacks[1]
-    assert (error.run.log_dir / "stacks" / "rank0-attempt0.txt").read_text().strip()
+    assert Path(rank_file(error.run.log_dir, "stacks", 0, 0)).read_text().strip()
     assert elapsed < 10 + 6, f"the diagnosis took {elapsed - 10:.1f} s past the timeout"
     processes.nothing_left(error.run.log_dir)
 

@@ -53,15 +53,10 @@ def _wait_until_every_rank_is_forked(run_dir: str, me: dict, world_size: int, li
     it formatted an earlier rank's connection. Once no rank talks to the store before the last fork,
     the agent's other threads hold no lock at fork time. Registrations are files in the run folder,
     so ranks of several agents on this machine (multi-node demos) wait for each other too."""
-    folder = os.path.join(run_dir, "workers")
-    suffix = f"-attempt{me['attempt']}.json"
     deadline = time.monotonic() + limit
     while time.monotonic() < deadline:
-        try:
-            if sum(name.endswith(suffix) for name in os.listdir(folder)) >= world_size:
-                return
-        except FileNotFoundError:
-            pass
+        if run_folder.registered_count(run_dir, me["attempt"]) >= world_size:
+            return
         time.sleep(0.002)
 
 

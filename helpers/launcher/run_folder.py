@@ -96,6 +96,15 @@ def identity() -> dict:
     }
 
 
+def registered_count(run_dir: str | os.PathLike, attempt: int) -> int:
+    """How many workers of this attempt have registered so far (any node)."""
+    try:
+        names = os.listdir(os.path.join(run_dir, "workers"))
+    except FileNotFoundError:
+        return 0
+    return sum(name.endswith(f"-attempt{attempt}.json") for name in names)
+
+
 def registered_pids(run_dir: str | os.PathLike) -> list[int]:
     """The pid of every worker the run registered, any rank and attempt (for checks that nothing is left)."""
     return [read_json(path)["pid"] for path in sorted(Path(run_dir, "workers").glob("rank*-attempt*.json"))]
