@@ -148,3 +148,14 @@ def test_a_copy_outside_git_takes_the_same_files_as_git_would(monkeypatch):
     with_git = workshop._tracked(workshop.LEARNER_FILES)
     monkeypatch.setenv("PATH", "")  # no git to run
     assert sorted(workshop._tracked(workshop.LEARNER_FILES)) == sorted(with_git)
+
+
+def test_preflight_notes_other_users_kernels_on_the_same_loopback():
+    kernel = ["python", "-m", "ipykernel_launcher", "-f", "k.json"]
+    processes = [{"username": "ana", "cmdline": kernel, "network": "net:[1]"},        # another learner, same net
+                 {"username": "ben", "cmdline": kernel, "network": "net:[2]"},        # own namespace: isolated
+                 {"username": "cho", "cmdline": kernel, "network": None},             # unreadable: may be shared
+                 {"username": "me", "cmdline": kernel, "network": "net:[1]"},         # my own kernel
+                 {"username": "dan", "cmdline": ["bash"], "network": "net:[1]"}]      # not a kernel
+    assert preflight.shared_kernels(processes, "me", "net:[1]") == ["ana", "cho"]
+    assert preflight.shared_kernels(processes[1:2], "me", "net:[1]") == []  # catches a check that ignores namespaces

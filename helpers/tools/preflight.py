@@ -15,7 +15,7 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from helpers import REPO_ROOT as ROOT
@@ -124,6 +124,42 @@ def check_data(online: bool) -> tuple[str, str]:
     return "OK", f"{source}: {len(train)} training images"
 
 
+def shared_kernels(processes: Iterable[dict], me: str, my_network: str | None) -> list[str]:
+    """Other users' Jupyter kernels that share this network namespace (their jobs can reach ours, and ours theirs).
+
+    processes: dicts with `username`, `cmdline` (a list) and `network` (the /proc/PID/ns/net link, None where it
+    cannot be read, as for another user's process without root: then it may be shared, and counts)."""
+    return sorted({p["username"] for p in processes
+                   if p["username"] != me and any("ipykernel" in part for part in p["cmdline"] or [])
+                   and (p["network"] is None or p["network"] == my_network)})
+
+
+def _processes() -> Iterator[dict]:
+    import psutil
+
+    for process in psutil.process_iter(["username", "cmdline"]):
+        try:
+            network = os.readlink(f"/proc/{process.pid}/ns/net")
+        except OSError:
+            network = None
+        yield {**process.info, "network": network}
+
+
+def check_neighbours() -> tuple[str, str]:
+    import getpass
+
+    try:
+        mine = os.readlink("/proc/self/ns/net")
+    except OSError:
+        return "OK", "cannot see network namespaces here (not Linux): nothing to compare"
+    others = shared_kernels(_processes(), getpass.getuser(), mine)
+    if others:
+        return "NOTE", (f"Jupyter kernels of {len(others)} other user(s) share this machine's loopback: their jobs "
+                        "can reach this learner's (no authentication in torch.distributed); see docs/facilitator.md, "
+                        "'Isolation between learners'")
+    return "OK", "no other user's Jupyter kernel shares this network namespace"
+
+
 def check_launch() -> tuple[str, str]:
     from helpers import launch
 
@@ -142,7 +178,7 @@ def main() -> int:
     args = parser.parse_args()
     checks: list[tuple[str, Callable[[], tuple[str, str]]]] = [
         ("python", check_python), ("torch", check_torch), ("cores", check_cores), ("memory", check_memory),
-        ("loopback", check_loopback), ("runs folder", check_runs_folder),
+        ("loopback", check_loopback), ("neighbours", check_neighbours), ("runs folder", check_runs_folder),
         ("data", lambda: check_data(args.online)), ("launch", check_launch),
     ]
     worst = "OK"
