@@ -29,7 +29,7 @@ from typing import Any
 
 from helpers.launcher import diagnosis, run_folder
 from helpers.launcher.console import Echo, Progress
-from helpers.launcher.processes import Agent, free_port, sleep_until_news
+from helpers.launcher.processes import Agent, LaunchServer, free_port, sleep_until_news
 from helpers.launcher.run_folder import REPO_ROOT, short_path
 from helpers.launcher.spec import build_spec, check_arguments, new_run_dir
 
@@ -148,7 +148,12 @@ class Job:
         self.started, self.started_wall = time.perf_counter(), time.time()
         self.folder = run_folder.NodeFolder(self.run_dir, spec["node_rank"], spec["nproc"])
         self.echo = Echo(echo, run_folder.rank_log(short_path(self.run_dir), "<N>"))
+        if not spec["fresh"] and not LaunchServer.running():
+            self.echo.note("Starting this kernel's launch server: it imports torch once, so this first launch "
+                           "takes a while longer; later launches start at once.")
         self.agent = Agent(spec)
+        if self.agent.server_start:
+            self.echo.note(f"Launch server ready after {self.agent.server_start:.1f} s.")
 
     def tick(self) -> bool:
         """Read and show new output; return True when the agent has finished."""

@@ -20,6 +20,11 @@ class Echo:
         self.limit = (10**12 if echo is True else int(echo)) if echo else 0
         self.shown, self.rank_logs = 0, rank_logs
 
+    def note(self, text: str) -> None:
+        """A line from the launcher itself (not from a rank), shown only when output is echoed."""
+        if self.limit:
+            print(text, flush=True)
+
     def show(self, lines: list[tuple[int, str, str]]) -> None:
         if self.shown >= self.limit or not lines:
             return

@@ -51,6 +51,10 @@ class LaunchServer:
         self.start_time = time.perf_counter() - started
 
     @classmethod
+    def running(cls) -> bool:
+        return cls.instance is not None and cls.instance.proc.poll() is None
+
+    @classmethod
     def get(cls) -> tuple[LaunchServer, float]:
         """The running server and how long this call spent starting it (0 when already up)."""
         if cls.instance is None or cls.instance.proc.poll() is not None:
