@@ -242,16 +242,30 @@ def run_all(browser, lab, name: str) -> float:
     return seconds
 
 
-def test_run_all_lesson_00(browser, lab):
-    seconds = run_all(browser, lab, LESSONS[0])
-    print(f"\n{LESSONS[0]}: Run All took {seconds:.0f} s in JupyterLab")
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("name", LESSONS[1:])
+@pytest.mark.parametrize("name", LESSONS)
 def test_run_all_lesson(browser, lab, name):
     seconds = run_all(browser, lab, name)
     print(f"\n{name}: Run All took {seconds:.0f} s in JupyterLab")
+
+
+def test_a_link_to_a_worker_opens_the_worker_file(browser, lab):
+    """Lessons link to their workers as ../helpers/workers/NAME.py: with the server rooted at the repository (as
+    the README starts it), a click opens the file in JupyterLab."""
+    url, _ = lab
+    page = browser.new_page()
+    try:
+        page.goto(f"{url}/lab/tree/notebooks/02_ddp.ipynb?reset&token={TOKEN}")
+        link = page.locator(".jp-RenderedMarkdown a", has_text="ddp_launch_env.py").first
+        link.wait_for(timeout=120_000)
+        link.click()
+        page.wait_for_function("() => window.jupyterapp.shell.currentWidget.title.label === 'ddp_launch_env.py'",
+                               timeout=30_000)  # catches a 404 or a link that opens nothing
+        text = page.evaluate("() => window.jupyterapp.shell.currentWidget.content.model.sharedModel.getSource()")
+        assert "def main" in text or "import" in text, text[:200]
+    finally:
+        page.evaluate("() => window.jupyterapp.serviceManager.sessions.shutdownAll()")  # no dialog, unlike the menu
+        page.close()
 
 
 def test_live_output_interrupt_and_next_launch(browser, lab):
