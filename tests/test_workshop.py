@@ -120,9 +120,17 @@ def test_every_lesson_in_the_student_copy_has_a_check_that_says_not_yet_on_the_s
     # starting code really gets; catches an exercise whose check passes (or crashes) before any work is done
     for name, notebook in _notebooks(student_copy).items():
         said = ["".join(o.get("text", "")) for cell in notebook["cells"] if cell["cell_type"] == "code"
-                and CHECK_CALL.search("".join(cell["source"])) and "NBVAL_IGNORE_OUTPUT" not in "".join(cell["source"])
+                and CHECK_CALL.search("".join(cell["source"]))
+                and "nbval-ignore-output" not in cell["metadata"].get("tags", [])
                 for o in cell.get("outputs", []) if o["output_type"] == "stream"]
         assert any(text.startswith("Not yet: ") for text in said), f"{name}: no check says Not yet: {said}"
+
+
+def test_the_student_copy_shows_no_test_harness_markers(student_copy):
+    # nbval reads cell tags (nbval-ignore-output, raises-exception); a "# NBVAL_..." comment is text a learner reads
+    marked = [(name, index) for name, notebook in _notebooks(student_copy).items()
+              for index, cell in enumerate(notebook["cells"]) if "NBVAL" in "".join(cell["source"])]
+    assert not marked, f"cells that show nbval markers to learners: {marked}"
 
 
 def test_every_file_a_lesson_writes_lands_in_a_folder_a_fresh_clone_has(student_copy):
