@@ -189,7 +189,8 @@ def _start_launching_process(tmp_path: Path, processes, worker: str = "sleeper.p
     return proc, run_dir
 
 
-def _read(path: Path) -> str:
+def _read(path: str | Path) -> str:
+    path = Path(path)
     return path.read_text() if path.exists() else ""
 
 
@@ -285,13 +286,28 @@ def test_forked_workers_can_still_initialise_cuda():
 HANG = WORKERS / "hang_in_collective.py"
 RANK0_WHERE = "waiting in dist.all_reduce at hang_in_collective.py:15 (step 2)"
 RANK1_WHERE = "in time.sleep at hang_in_collective.py:17 (step 2)"
+# A timeout that starts once every rank has printed its readiness line ("hanging", "sleeping"): from that
+# print to the call it hangs in is a few bytecodes, so a second is ample even on 2 loaded cores. A timeout
+# counted from the start instead has to cover start-up too (10-20 s of margin, spent by every run).
+SETTLE = 1.0
+
+
+def _until_every_rank_says(jobs, line: str, ranks) -> None:
+    """Follow `jobs` until each of `ranks` has printed `line` (a worker's sign that it reached its hang)."""
+    deadline = time.monotonic() + 120
+    while not set(ranks) <= {rank for job in jobs for rank, lines in job.folder.lines.items() if line in lines}:
+        assert time.monotonic() < deadline, f"the workers did not all print {line!r}"
+        for job in jobs:
+            job.tick()
+        time.sleep(0.05)
 
 
 def test_timeout_says_where_every_rank_hangs(processes):
-    LaunchServer.get()  # its one-time start is not part of the timeout
+    job = start(HANG, nproc=2, echo=False)
+    _until_every_rank_says([job], "hanging", (0, 1))
     started = time.perf_counter()
     with pytest.raises(LaunchTimeout) as caught:
-        launch(HANG, nproc=2, timeout=10, echo=False)
+        wait([job], timeout=SETTLE)  # what launch(timeout=...) does after its start()
     elapsed = time.perf_counter() - started
     error = caught.value
     assert error.where == {0: RANK0_WHERE, 1: RANK1_WHERE}
@@ -301,17 +317,13 @@ def test_timeout_says_where_every_rank_hangs(processes):
     assert "distributed_c10d.py" in error.stacks[0] and 'hang_in_collective.py", line 15' in error.stacks[0]
     assert 'hang_in_collective.py", line 17' in error.stacks[1]
     assert Path(rank_file(error.run.log_dir, "stacks", 0, 0)).read_text().strip()
-    assert elapsed < 10 + 6, f"the diagnosis took {elapsed - 10:.1f} s past the timeout"
+    assert elapsed < SETTLE + 6, f"the diagnosis took {elapsed - SETTLE:.1f} s past the timeout"
     processes.nothing_left(error.run.log_dir)
 
 
 def test_a_running_job_says_where_its_ranks_are(processes):
     job = start(HANG, nproc=2, echo=False)
-    deadline = time.monotonic() + 60
-    while not all("hanging" in job.folder.lines.get(rank, []) for rank in (0, 1)):
-        assert time.monotonic() < deadline, "workers did not reach the hang"
-        job.tick()
-        time.sleep(0.05)
+    _until_every_rank_says([job], "hanging", (0, 1))
     assert job.stacks() == {0: RANK0_WHERE, 1: RANK1_WHERE}
     assert job.agent.poll() is None, "asking for stacks must not stop the job"
     with pytest.raises(LaunchTimeout):
@@ -323,8 +335,9 @@ def test_a_timeout_of_two_nodes_says_where_all_four_ranks_are(processes):
     port = free_port()
     jobs = [start(HANG, nproc=2, nnodes=2, node_rank=node, rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id="hang",
                   echo=False) for node in (0, 1)]
+    _until_every_rank_says(jobs, "hanging", range(4))
     with pytest.raises(LaunchTimeout) as caught:
-        wait(jobs, timeout=15)
+        wait(jobs, timeout=SETTLE)
     sleeping = {rank: RANK1_WHERE for rank in (1, 2, 3)}  # the worker's else branch: every rank but 0
     assert caught.value.where == {0: RANK0_WHERE, **sleeping}
     assert all(f"rank {rank}: " in str(caught.value) for rank in range(4))
@@ -396,8 +409,10 @@ def test_fresh_mode_failure_and_timeout(processes):
         launch(WORKERS / "crash_in_collective.py", nproc=2, fresh=True, echo=False)
     assert caught.value.rank == 1 and "ValueError: rank 1 broke on purpose" in str(caught.value)
     processes.nothing_left(caught.value.run.log_dir)
+    job = start(SLEEPER, nproc=2, fresh=True, echo=False)
+    _until_every_rank_says([job], "sleeping", (0, 1))
     with pytest.raises(LaunchTimeout) as caught:
-        launch(SLEEPER, nproc=2, fresh=True, timeout=20, echo=False)
+        wait([job], timeout=SETTLE)
     assert caught.value.where == {rank: "in time.sleep at sleeper.py:9" for rank in (0, 1)}
     processes.nothing_left(caught.value.run.log_dir)
 

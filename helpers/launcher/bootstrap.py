@@ -43,19 +43,20 @@ def _answer_stack_requests(run_dir: str, me: dict) -> None:
     faulthandler.register(run_folder.STACK_SIGNAL, file=open(path, "w"), all_threads=True, chain=False)
 
 
-def _wait_until_every_rank_is_forked(run_dir: str, me: dict, world_size: int, limit: float = 10.0) -> None:
-    """Fork mode: start the script only once every worker of this attempt has been forked.
+def _wait_until_every_rank_is_forked(run_dir: str, me: dict, local_world_size: int, limit: float = 10.0) -> None:
+    """Fork mode: start the script only once every worker of this agent's attempt has been forked.
 
     The agent forks its workers one after another while its TCPStore server thread already serves the
     ranks forked first. A fork copies a lock held by another thread in its held state: we caught a
     worker stuck for good in glibc's resolver lock (``__resolv_context_get`` under ``getnameinfo``,
     from c10d's ``formatSockAddr`` in ``TCPStore::TCPStore``), taken by the agent's store thread while
     it formatted an earlier rank's connection. Once no rank talks to the store before the last fork,
-    the agent's other threads hold no lock at fork time. Registrations are files in the run folder,
-    so ranks of several agents on this machine (multi-node demos) wait for each other too."""
+    the agent's other threads hold no lock at fork time. The hazard is per agent, so each rank waits for
+    its own node's ranks only (counting the whole job's ranks made every rank of a two-node demo wait out
+    the limit, 10 s, since each node's agent has its own run folder)."""
     deadline = time.monotonic() + limit
     while time.monotonic() < deadline:
-        if run_folder.registered_count(run_dir, me["attempt"]) >= world_size:
+        if run_folder.registered_count(run_dir, me["attempt"], me["node"]) >= local_world_size:
             return
         time.sleep(0.002)
 
@@ -85,7 +86,7 @@ def run_script(script: str, *args: str, forked: bool = False) -> None:
         run_folder.write_json(run_folder.rank_file(run_dir, "workers", me["rank"], me["attempt"]),
                                {**me, "started": time.time()})
         if forked:
-            _wait_until_every_rank_is_forked(run_dir, me, int(os.environ.get("WORLD_SIZE", 1)))
+            _wait_until_every_rank_is_forked(run_dir, me, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     sys.argv = [script, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     try:

@@ -96,13 +96,10 @@ def identity() -> dict:
     }
 
 
-def registered_count(run_dir: str | os.PathLike, attempt: int) -> int:
-    """How many workers of this attempt have registered so far (any node)."""
-    try:
-        names = os.listdir(os.path.join(run_dir, "workers"))
-    except FileNotFoundError:
-        return 0
-    return sum(name.endswith(f"-attempt{attempt}.json") for name in names)
+def registered_count(run_dir: str | os.PathLike, attempt: int, node: int) -> int:
+    """How many workers of this node's agent have registered for this attempt so far."""
+    paths = Path(run_dir, "workers").glob(f"rank*-attempt{attempt}.json")
+    return sum(read_json(path, {}).get("node") == node for path in paths)
 
 
 def registered_pids(run_dir: str | os.PathLike) -> list[int]:
