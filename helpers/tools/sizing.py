@@ -168,8 +168,8 @@ def main() -> int:
     args = parser.parse_args()
     _become_subreaper()
     notebooks = args.notebooks or sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-    build = subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__, torch.version.cuda or 'cpu')"],
-                           capture_output=True, text=True).stdout.split()
+    probe = "import torch; print(torch.__version__, torch.version.cuda or 'cpu')"
+    build = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.split()
     print(f"torch {build[0]} ({'CPU-only build' if build[1] == 'cpu' else 'CUDA ' + build[1] + ' build'}): every "
           "process that imports torch maps its libraries, so a CPU-only build (binder/requirements.txt) costs less")
     server = jupyter_server_mib()
