@@ -1,0 +1,178 @@
+"""Lesson 09 (build ZeRO yourself): the checks of the four steps, the formulas they compare with, and pictures.
+
+    from helpers.zero import check_step, expected, traffic, holdings_figure
+    checked = check_step("zero2", "my_zero2.py")   # prints "Correct: ..." or "Not yet: ..."; bool(checked)
+
+check_step launches helpers/workers/zero_check.py on 2 ranks; check_results decides from what every rank
+handed back. Every number it compares with comes from a formula in this file, and every measured number
+from the run (tensors each rank held, collectives each rank issued).
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from helpers import LaunchTimeout, WorkerFailed, launch
+from helpers.checks import correct, not_yet
+from helpers.explorers import ddp_buckets
+from helpers.zero_kit import build_model, shard_size
+
+WORKERS = Path(__file__).resolve().parent / "workers"
+STAGES = ("bucketed", "zero1", "zero2", "zero3")
+TOLERANCE = 1e-6
+VOLUME = {"all_reduce": 2, "reduce_scatter_single": 1, "reduce_scatter_tensor": 1, "all_gather_single": 1,
+          "all_gather_into_tensor": 1, "broadcast": 1, "all_gather": 1, "reduce_scatter": 1}
+
+
+def expected(numels: list[int], world_size: int) -> dict[str, int]:
+    """Bytes one rank should hold under the lesson's sharding (fp32, Adam's two moments), and the padding."""
+    shard = sum(shard_size(n, world_size) for n in numels)
+    return {"params": sum(numels), "shard": shard, "padding": shard * world_size - sum(numels),
+            "adam_shard_bytes": 8 * shard, "grad_shard_bytes": 4 * shard, "param_shard_bytes": 4 * shard}
+
+
+def traffic(events: list[dict]) -> dict[str, int]:
+    """Calls and bytes per operation in one step's events, and the volume in the ZeRO paper's units: an all-reduce
+    of B bytes counts 2B (a reduce-scatter plus an all-gather), every other collective B."""
+    out: dict[str, int] = {"volume": 0}
+    for event in events:
+        if event["op"] != "mark":
+            out[f"{event['op']} calls"] = out.get(f"{event['op']} calls", 0) + 1
+            out[f"{event['op']} bytes"] = out.get(f"{event['op']} bytes", 0) + event["bytes"]
+            out["volume"] += VOLUME[event["op"]] * event["bytes"]
+    return out
+
+
+def _bytes_of(events: list[dict], prefix: str) -> int:
+    return sum(e["bytes"] for e in events if e["op"].startswith(prefix))
+
+
+def _first_problem(stage: str, ranks: dict[int, dict]) -> str | None:
+    """The first thing that is wrong, as the sentence after "Not yet: ", or None."""
+    for rank, got in sorted(ranks.items()):
+        world_size = got["world_size"]
+        for name, model in got["models"].items():
+            where = f"rank {rank}, model '{name}'"
+            if model["max_diff"] > TOLERANCE:  # catches a wrong average, a lost gradient, a stale shard
+                return (f"{where}: after 5 AdamW steps the parameters differ from torch's DDP by "
+                        f"{model['max_diff']:.2g} (more than {TOLERANCE:g}).")
+            problem = (_bucket_problem(model, got["cap_mb"], name) if stage == "bucketed"
+                       else _zero_problem(stage, model, rank, world_size))
+            if problem:
+                return f"{where}: {problem}"
+    return None
+
+
+def _bucket_problem(model: dict, cap_mb: float, name: str) -> str | None:
+    plan = ddp_buckets(build_model(name)[0], cap_mb)["rebuilt"]  # lesson 03's oracle: torch's bucket assignment
+    for step, events in enumerate(model["impl"]["steps"]):
+        calls = [e for e in events if e["op"] != "mark"]
+        sizes = [e["bytes"] for e in calls if e["op"] == "all_reduce"]
+        if len(calls) != len(sizes):  # catches a broadcast or reduce-scatter where an all-reduce belongs
+            return f"step {step} issued {sorted({e['op'] for e in calls})}; DDP only all-reduces."
+        if sizes != plan:  # catches one all-reduce per parameter, a bucket never closed, the wrong order
+            return (f"step {step} all-reduced buckets of {sizes} bytes; the bucket plan (torch's "
+                    f"compute_bucket_assignment_by_size, cap {cap_mb} MiB, gradients back to front) is {plan}.")
+        end = next(i for i, e in enumerate(events) if e.get("label") == "backward end")
+        late = [i for i, e in enumerate(events) if e["op"] != "mark" and i > end]
+        if late or any(not e["async"] for e in calls):
+            return ("the all-reduces must start during backward (async_op=True, from the gradient hooks), "
+                    "not after it; wait for them in finish_gradient_synchronization.")
+    return None
+
+
+def _zero_problem(stage: str, model: dict, rank: int, world_size: int) -> str | None:
+    for pname, shard in model["shards"].items():  # catches padding in front, floor instead of ceil, rank swap
+        n, values = shard["numel"], shard["values"]
+        size = shard_size(n, world_size)
+        flat = model["reference"][pname] + [0.0] * (size * world_size - n)
+        want = flat[rank * size:(rank + 1) * size]
+        if len(values) != size or max(abs(a - b) for a, b in zip(values, want)) > TOLERANCE:
+            return (f"the shard of {pname} ({n} values) should be values [{rank * size}, {(rank + 1) * size}) of "
+                    f"the flattened parameter, zero-padded to {size * world_size}; it holds {len(values)} other values.")
+    if len(model["shards"]) != len(model["numels"]):
+        return "`shards` should map every parameter to this rank's shard."
+    want = expected(model["numels"], world_size)
+    impl = model["impl"]
+    held = {"Adam state": (impl["state_bytes"][-1], want["adam_shard_bytes"], "8 bytes x shard")}
+    if stage in ("zero2", "zero3"):  # catches a Zero2 that keeps the full gradients too
+        held["gradients after backward"] = (impl["grad_bytes"][-1], want["grad_shard_bytes"], "4 bytes x shard")
+    if stage == "zero3":  # catches parameters left gathered after the step
+        held["parameters after the step"] = (impl["param_bytes"][-1], want["param_shard_bytes"], "4 bytes x shard")
+    for what, (got, should, formula) in held.items():
+        if got != should:
+            return f"it holds {got} bytes of {what}; {formula} = {should} ({want['shard']} values per rank)."
+    full = 4 * want["shard"] * world_size
+    for step, events in enumerate(impl["steps"]):
+        end = next(i for i, e in enumerate(events) if e.get("label") == "backward end")
+        if any(e["op"] == "all_reduce" for e in events):  # catches a ZeRO that all-reduces the gradients
+            return f"step {step} all-reduced; reduce-scatter the gradients instead (each rank needs its shard only)."
+        gathers = 2 * sum(4 * shard_size(n, world_size) * world_size for unit in model["units"] for n in unit)
+        want_bytes = {"reduce_scatter": full, "all_gather": gathers if stage == "zero3" else full}
+        for op, should in want_bytes.items():
+            if _bytes_of(events, op) != should:
+                return f"step {step} moved {_bytes_of(events, op)} bytes by {op}; it should be {should}."
+        if stage != "zero1" and _bytes_of(events[end:], "reduce_scatter"):  # catches the reduce-scatter left to step()
+            return f"step {step} reduce-scattered after backward; do it in the gradient hook, during backward."
+        if stage == "zero3":
+            problem = _prefetch_problem(events, model["units"], world_size)
+            if problem:
+                return f"step {step}: {problem}"
+    return None
+
+
+def _prefetch_problem(events: list[dict], units: list[list[int]], world_size: int) -> str | None:
+    """By the end of unit i's forward, the all-gathers of units 0..i+1 must have been issued."""
+    unit_bytes = [sum(4 * shard_size(n, world_size) * world_size for n in unit) for unit in units]
+    issued = 0
+    for event in events:
+        if event["op"].startswith("all_gather"):
+            issued += event["bytes"]
+        match = re.fullmatch(r"forward end (\d+)", event.get("label") or "")
+        if match and int(match[1]) + 1 < len(units):
+            i = int(match[1])
+            if issued < sum(unit_bytes[: i + 2]):  # catches a ZeRO-3 without prefetch
+                return f"unit {i + 1}'s all-gather was not issued before unit {i}'s forward ended (no prefetch)."
+    return None
+
+
+def check_results(stage: str, ranks: dict[int, dict]) -> bool:
+    """Decide from the results of zero_check.py (run.results); prints Correct or Not yet."""
+    problem = _first_problem(stage, ranks)
+    if problem:
+        return not_yet(problem)
+    mlp = ranks[0]["models"]["mlp"]
+    volume = traffic(mlp["impl"]["steps"][-1])["volume"]
+    ddp_volume = traffic(mlp["ddp"]["steps"][-1])["volume"]
+    what = {"bucketed": "the bucket plan's all-reduces, started during backward",
+            "zero1": "Adam state 8 bytes x shard; reduce-scatter + all-gather",
+            "zero2": "Adam state and gradients sharded; reduce-scatter during backward",
+            "zero3": "parameters, gradients, Adam state sharded; next unit prefetched"}[stage]
+    return correct(f"{stage} equals DDP + AdamW on every rank for mlp, odd and tied ({what}); "
+                   f"traffic per step {volume / ddp_volume:.2f}x DDP's for mlp.")
+
+
+class Checked:
+    """What check_step hands back: true when the step passed; `.results` holds every rank's results."""
+
+    def __init__(self, passed: bool, results: dict | None) -> None:
+        self.passed, self.results = passed, results
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+
+def check_step(stage: str, script: str | Path, timeout: float = 120) -> Checked:
+    """Launch zero_check.py with the class in `script` on 2 ranks and decide. Prints Correct or Not yet."""
+    if stage not in STAGES:
+        raise ValueError(f"stage must be one of {STAGES}, not {stage!r}")
+    try:
+        run = launch(WORKERS / "zero_check.py", nproc=2, echo=False, timeout=timeout,
+                     args=["--impl", str(Path(script).resolve()), "--stage", stage])
+    except LaunchTimeout:
+        return Checked(not_yet(f"still running after {timeout:g} s: a collective that one rank never joins?"), None)
+    except WorkerFailed as error:
+        raised = [line.strip() for line in str(error).splitlines() if re.match(r"\w+(Error|Exception)\b", line)]
+        return Checked(not_yet(f"the check failed with {raised[-1] if raised else 'an error (see the logs)'}"), None)
+    return Checked(check_results(stage, run.results), run.results)
