@@ -125,11 +125,16 @@ def _zero_problem(stage: str, model: dict, rank: int, world_size: int) -> str | 
 def _prefetch_problem(events: list[dict], units: list[list[int]], world_size: int) -> str | None:
     """By the end of unit i's forward, the all-gathers of units 0..i+1 must have been issued."""
     unit_bytes = [sum(4 * shard_size(n, world_size) * world_size for n in unit) for unit in units]
+    full_bytes = [4 * sum(unit) for unit in units]
     issued = 0
     for event in events:
         if event["op"].startswith("all_gather"):
             issued += event["bytes"]
         match = re.fullmatch(r"forward end (\d+)", event.get("label") or "")
+        if match and event["held"] > (full_bytes[int(match[1]) + 1] if int(match[1]) + 1 < len(units) else 0):
+            i = int(match[1])  # catches a unit left gathered after its forward
+            return (f"after unit {i}'s forward this rank still held {event['held']} bytes of full parameters; "
+                    "free each unit after its forward (only the next, prefetched unit may be held).")
         if match and int(match[1]) + 1 < len(units):
             i = int(match[1])
             if issued < sum(unit_bytes[: i + 2]):  # catches a ZeRO-3 without prefetch
@@ -176,3 +181,82 @@ def check_step(stage: str, script: str | Path, timeout: float = 120) -> Checked:
         raised = [line.strip() for line in str(error).splitlines() if re.match(r"\w+(Error|Exception)\b", line)]
         return Checked(not_yet(f"the check failed with {raised[-1] if raised else 'an error (see the logs)'}"), None)
     return Checked(check_results(stage, run.results), run.results)
+
+
+def _passed(checked: Checked | None, stage: str) -> bool:
+    if not checked:
+        print(f"(no results yet: the {stage} check has not passed)")
+        return False
+    return True
+
+
+def memory_table(checked: Checked | None, stage: str) -> None:
+    """Bytes each rank held, read from its tensors, beside the formula (4 bytes per value, Adam: 8)."""
+    if not _passed(checked, stage):
+        return
+    print(f"{'model':<6}{'rank':>5}{'params':>8}{'shard':>7}{'pad':>5} | {'Adam state':>11}{'formula':>9} |"
+          f" {'grads':>7}{'formula':>9} | {'params':>7}{'formula':>9}   (bytes; DDP holds 8/4/4 x params)")
+    for rank, got in sorted(checked.results.items()):
+        for name, model in got["models"].items():
+            want, impl = expected(model["numels"], got["world_size"]), model["impl"]
+            grads = want["grad_shard_bytes"] if stage in ("zero2", "zero3") else None
+            params = want["param_shard_bytes"] if stage == "zero3" else None
+            print(f"{name:<6}{rank:>5}{want['params']:>8}{want['shard']:>7}{want['padding']:>5} | "
+                  f"{impl['state_bytes'][-1]:>11}{want['adam_shard_bytes']:>9} | {impl['grad_bytes'][-1]:>7}"
+                  f"{grads if grads else '-':>9} | {impl['param_bytes'][-1]:>7}{params if params else '-':>9}")
+
+
+def traffic_table(checked: Checked | None, stage: str, step: int = -1) -> None:
+    """One step's collectives per model: ours (from the check run) beside torch's DDP in the same run."""
+    if not _passed(checked, stage):
+        return
+    for name, model in checked.results[0]["models"].items():
+        for who in ("ddp", "impl", "fsdp"):
+            if who in model:
+                counts = traffic(model[who]["steps"][step])
+                calls = ", ".join(f"{k.split(' ')[0]} {v} calls / {counts[k.replace('calls', 'bytes')]} B"
+                                  for k, v in counts.items() if k.endswith("calls"))
+                label = {"ddp": "torch DDP", "impl": f"{stage} (ours)", "fsdp": "torch fully_shard"}[who]
+                print(f"{name:<5} {label:<18} volume {counts['volume']:>6} B = "
+                      f"{counts['volume'] / (4 * sum(model['numels'])):.2f} x 4Ψ   [{calls}]")
+
+
+def event_order(checked: Checked | None, model: str = "mlp", step: int = 1, who: str = "impl") -> None:
+    """The collectives and markers of one step on rank 0, in the order they happened."""
+    if not _passed(checked, "zero3"):
+        return
+    for event in checked.results[0]["models"][model][who]["steps"][step]:
+        if event["op"] == "mark":
+            print(f"  -- {event['label']}" + (f" (full parameters held: {event['held']} B)" if "held" in event else ""))
+        else:
+            print(f"  {event['op']:<22}{event['bytes']:>6} B" + ("  async" if event["async"] else ""))
+
+
+def holdings_figure() -> Any:
+    """Who holds what, per stage: a row per rank, a column per kind of state (a drawing of the design, not a run)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    kinds = ("parameters", "gradients", "Adam state")
+    sharded = {"DDP": (), "ZeRO-1": ("Adam state",), "ZeRO-2": ("gradients", "Adam state"),
+               "ZeRO-3": kinds}
+    widths = {"parameters": 1, "gradients": 1, "Adam state": 2}
+    fig, axes = plt.subplots(1, 4, figsize=(11, 2.7), dpi=80, layout="constrained")
+    for ax, (stage, split) in zip(axes, sharded.items(), strict=True):
+        for rank in range(2):
+            x = 0.0
+            for kind in kinds:
+                width = widths[kind]
+                ax.add_patch(Rectangle((x, 1 - rank), width, 0.8, fill=False, ec="0.6"))
+                part = (x + rank * width / 2, width / 2) if kind in split else (x, width)
+                ax.add_patch(Rectangle((part[0], 1 - rank), part[1], 0.8,
+                                       color={"parameters": "tab:blue", "gradients": "tab:orange",
+                                              "Adam state": "tab:green"}[kind]))
+                x += width + 0.2
+            ax.text(-0.1, 1.4 - rank, f"rank {rank}", ha="right", va="center", fontsize=9)
+        ax.set(xlim=(-1.2, 4.6), ylim=(-0.1, 1.9), title=stage)
+        ax.axis("off")
+    fig.legend(handles=[Rectangle((0, 0), 1, 1, color=c) for c in ("tab:blue", "tab:orange", "tab:green")],
+               labels=["parameters (4 B per value)", "gradients (4 B)", "Adam state (8 B)"], fontsize=9,
+               loc="outside lower center", ncols=3)
+    return fig

@@ -99,9 +99,9 @@ class CommLog:
             return original(*args, **kwargs)
         return recorded
 
-    def mark(self, label: str) -> None:
-        """Put a marker (e.g. "forward end 2") between the recorded calls."""
-        self.events.append({"op": "mark", "label": label})
+    def mark(self, label: str, **facts) -> None:
+        """Put a marker (e.g. "forward end 2") between the recorded calls, with any facts about that moment."""
+        self.events.append({"op": "mark", "label": label, **facts})
 
     def take(self) -> list[dict]:
         """The events so far; the log starts empty again."""

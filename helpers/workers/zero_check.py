@@ -13,6 +13,7 @@ forward. helpers/zero.py reads the results and decides. Works with one process.
 """
 import argparse
 import importlib.util
+import sys
 from pathlib import Path
 
 import torch
@@ -32,6 +33,7 @@ log = CommLog().install()  # before the learner's file is loaded, so `from torch
 
 def load_class(impl: str, stage: str):
     path = Path(__file__).with_name("zero_solution.py") if impl == "solution" else Path(impl)
+    sys.path.insert(0, str(path.parent))  # my_zero2.py may import my_zero1.py beside it
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -46,7 +48,8 @@ def batch(width: int, rank: int, step: int, device: torch.device) -> tuple[torch
 def train(model, optimizer, width, device, rank, after_backward=None, mark_units=()) -> dict:
     """5 steps; the collectives of each step, and the bytes held after each step's backward and after it."""
     for i, unit in enumerate(mark_units):  # runs after the class's own hooks: "unit i's forward has ended"
-        unit.register_forward_hook(lambda *_, i=i: log.mark(f"forward end {i}"))
+        unit.register_forward_hook(lambda *_, i=i: log.mark(f"forward end {i}",
+                                                            held=storage_bytes(model.parameters())))
     record = {"steps": [], "grad_bytes": [], "param_bytes": [], "state_bytes": []}
     parameters = list(model.parameters()) + list(getattr(optimizer, "shards", {}).values())
     for step in range(STEPS):
