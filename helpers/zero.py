@@ -260,3 +260,14 @@ def holdings_figure() -> Any:
                labels=["parameters (4 B per value)", "gradients (4 B)", "Adam state (8 B)"], fontsize=9,
                loc="outside lower center", ncols=3)
     return fig
+
+
+def show_class(path: str | Path, name: str) -> Any:
+    """The source of one class in a file, highlighted (for showing a solution class by class)."""
+    import ast
+
+    from IPython.display import Code
+
+    source = Path(path).read_text()
+    node = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == name)
+    return Code(ast.get_source_segment(source, node), language="python")

@@ -92,13 +92,13 @@ def run_model(name: str, stage: str, cls, rank: int, device: torch.device) -> di
                      else cls(model.parameters(), torch.optim.AdamW, lr=LR))
         out["impl"] = train(model, optimizer, width, device, rank, mark_units=units if stage == "zero3" else ())
     names = {p: n for n, p in reference.named_parameters()}
-    full = {n: p.detach() for n, p in zip(names.values(), model.parameters())} if stage != "zero3" else {}
+    full = {names[q]: p.detach() for p, q in zip(model.parameters(), reference.parameters())}
     out["shards"] = {}
     for p, q in zip(model.parameters(), reference.parameters()):
         shard = getattr(optimizer, "shards", {}).get(p)
         if shard is not None:
             out["shards"][names[q]] = {"numel": p.numel(), "values": shard.detach().cpu().tolist()}
-            if stage == "zero3":
+            if stage == "zero3":  # the full parameter is freed: gather it from the shards (not counted)
                 full[names[q]] = gathered(shard, p.numel()).view_as(q)
     out["max_diff"] = max(float((full[names[q]] - q.detach()).abs().max()) for q in reference.parameters())
     out["reference"] = {names[q]: q.detach().reshape(-1).cpu().tolist() for q in reference.parameters()}
