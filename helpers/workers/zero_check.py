@@ -23,7 +23,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from helpers.distributed import init_distributed
-from helpers.worker import progress, result
+from helpers.worker import result
 from helpers.zero_kit import CommLog, build_model, storage_bytes
 
 CLASSES = {"bucketed": "BucketedDDP", "zero1": "Zero1", "zero2": "Zero2", "zero3": "Zero3"}
@@ -128,9 +128,8 @@ def main() -> None:
     rank, world_size, device = init_distributed()
     cls = load_class(args.impl, args.stage)
     results = {}
-    for done, name in enumerate(MODELS):
+    for name in MODELS:
         results[name] = run_model(name, args.stage, cls, rank, device)
-        progress(done + 1, total=len(MODELS))
     result(stage=args.stage, world_size=world_size, cap_mb=CAP_MB, models=results)
     dist.destroy_process_group()
 
