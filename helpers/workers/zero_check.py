@@ -92,9 +92,9 @@ def run_model(name: str, stage: str, cls, rank: int, device: torch.device) -> di
                      else cls(model.parameters(), torch.optim.AdamW, lr=LR))
         out["impl"] = train(model, optimizer, width, device, rank, mark_units=units if stage == "zero3" else ())
     names = {p: n for n, p in reference.named_parameters()}
-    full = {names[q]: p.detach() for p, q in zip(model.parameters(), reference.parameters())}
+    full = {names[q]: p.detach() for p, q in zip(model.parameters(), reference.parameters(), strict=True)}
     out["shards"] = {}
-    for p, q in zip(model.parameters(), reference.parameters()):
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         shard = getattr(optimizer, "shards", {}).get(p)
         if shard is not None:
             out["shards"][names[q]] = {"numel": p.numel(), "values": shard.detach().cpu().tolist()}
@@ -106,6 +106,9 @@ def run_model(name: str, stage: str, cls, rank: int, device: torch.device) -> di
     out["numels"] = [p.numel() for p in reference.parameters()]
     if stage == "zero3" and name != "tied":  # FSDP2 cannot shard one weight into two units
         out["fsdp"] = run_fully_shard(name, rank, device)
+        fsdp_params = [torch.tensor(values) for values in out["fsdp"].pop("params")]
+        out["fsdp_diff"] = max(float((full[names[q]].reshape(-1).cpu() - values).abs().max())
+                               for q, values in zip(reference.parameters(), fsdp_params, strict=True))
     return out
 
 

@@ -45,7 +45,8 @@ class BucketedDDP(nn.Module):
     def finish_gradient_synchronization(self) -> None:
         for i, flat, work in self.in_flight:
             work.wait()
-            for q, average in zip(self.buckets[i], (flat / self.world_size).split([q.numel() for q in self.buckets[i]])):
+            averages = (flat / self.world_size).split([q.numel() for q in self.buckets[i]])
+            for q, average in zip(self.buckets[i], averages, strict=True):
                 q.grad.copy_(average.view_as(q))
         self.ready, self.in_flight = [0] * len(self.buckets), []
 

@@ -69,8 +69,8 @@ def main() -> None:
             out[mode]["owned"] = [[p.numel() for group in groups for p in group["params"]]
                                   for groups in optimizer._partition_parameters()]
     for mode in ("torch_zero", "fsdp"):
-        out[mode]["max_diff"] = max(max(abs(a - b) for a, b in zip(x, y))
-                                    for x, y in zip(out[mode]["params"], out["ddp"]["params"]))
+        out[mode]["max_diff"] = max(max(abs(a - b) for a, b in zip(x, y, strict=True))
+                                    for x, y in zip(out[mode]["params"], out["ddp"]["params"], strict=True))
     for record in out.values():
         del record["params"]
     result(world_size=world_size, n_params=sum(p.numel() for p in build_model("mlp")[0].parameters()), **out)
