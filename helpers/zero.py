@@ -162,8 +162,8 @@ def check_results(stage: str, ranks: dict[int, dict]) -> bool:
 class Checked:
     """What check_step hands back: true when the step passed; `.results` holds every rank's results."""
 
-    def __init__(self, passed: bool, results: dict | None) -> None:
-        self.passed, self.results = passed, results
+    def __init__(self, passed: bool, results: dict | None, script: str = "") -> None:
+        self.passed, self.results, self.script = passed, results, script
 
     def __bool__(self) -> bool:
         return self.passed
@@ -181,7 +181,7 @@ def check_step(stage: str, script: str | Path, timeout: float = 120) -> Checked:
     except WorkerFailed as error:
         raised = [line.strip() for line in str(error).splitlines() if re.match(r"\w+(Error|Exception)\b", line)]
         return Checked(not_yet(f"the check failed with {raised[-1] if raised else 'an error (see the logs)'}"), None)
-    return Checked(check_results(stage, run.results), run.results)
+    return Checked(check_results(stage, run.results), run.results, str(Path(script).resolve()))
 
 
 def _passed(checked: Checked | None, stage: str) -> bool:
@@ -287,3 +287,27 @@ def fsdp_comparison(checked: Checked | None) -> None:
     worst = max(got["models"][name]["fsdp_diff"] for got in checked.results.values() for name in ("mlp", "odd"))
     assert worst < TOLERANCE, worst  # catches a Zero3 (or a fully_shard) whose updates differ
     print(f"Our Zero3 equals fully_shard + AdamW after 5 steps on both ranks (max abs diff {worst:.1g} < 1e-6).")
+
+
+# PyTorch's recipe, recipes_source/zero_redundancy_optimizer.rst (pytorch/tutorials): peak GPU memory of rank 0 in MB
+# (max_memory_allocated // 1e6) for 20 x Linear(2000, 2000), 2 ranks, Adam, with ZeroRedundancyOptimizer / without.
+RECIPE_MB = {"model created": (335, 335), "DDP created": (656, 656), "before step()": (992, 992),
+             "after step()": (1361, 1697)}
+RECIPE_MODEL_MB = 4 * 20 * 2000 * 2001 / 1e6  # 320.16 MB of fp32 parameters
+
+
+def ladder_table(results: dict) -> dict[str, list[float]]:
+    """The recipe's peaks beside this run's tensor bytes (rank 0), as multiples of the model's bytes; returns ours."""
+    model_bytes = 4 * results[0]["n_params"]
+    modes = [m for m in ("torch_zero", "ddp", "ours") if m in results[0]]
+    ratios: dict[str, list[float]] = {mode: [] for mode in modes}
+    print(f"{'':<15}{'the recipe (GPU peaks)':^34}| {'this run (tensor bytes, rank 0)':^36}")
+    print(f"{'phase':<15}{'ZeRO MB':>8}{'x':>6}{'Adam MB':>9}{'x':>6}   |"
+          f"{'ZeRO x':>10}{'Adam x':>10}{'our Zero1 x':>13}")
+    for phase, (zero_mb, adam_mb) in RECIPE_MB.items():
+        for mode in modes:
+            ratios[mode].append(results[0][mode][phase] / model_bytes)
+        ours = f"{ratios['ours'][-1]:>13.2f}" if "ours" in ratios else f"{'-':>13}"
+        recipe = f"{zero_mb:>8}{zero_mb / RECIPE_MODEL_MB:>6.2f}{adam_mb:>9}{adam_mb / RECIPE_MODEL_MB:>6.2f}"
+        print(f"{phase:<15}{recipe}   |{ratios['torch_zero'][-1]:>10.2f}{ratios['ddp'][-1]:>10.2f}{ours}")
+    return ratios
