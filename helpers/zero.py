@@ -169,12 +169,12 @@ class Checked:
         return self.passed
 
 
-def check_step(stage: str, script: str | Path, timeout: float = 120) -> Checked:
-    """Launch zero_check.py with the class in `script` on 2 ranks and decide. Prints Correct or Not yet."""
+def check_step(stage: str, script: str | Path, timeout: float = 120, nproc: int = 2) -> Checked:
+    """Launch zero_check.py with the class in `script` on `nproc` ranks and decide. Prints Correct or Not yet."""
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {STAGES}, not {stage!r}")
     try:
-        run = launch(WORKERS / "zero_check.py", nproc=2, echo=False, timeout=timeout,
+        run = launch(WORKERS / "zero_check.py", nproc=nproc, echo=False, timeout=timeout,
                      args=["--impl", str(Path(script).resolve()), "--stage", stage])
     except LaunchTimeout:
         return Checked(not_yet(f"still running after {timeout:g} s: a collective that one rank never joins?"), None)
@@ -286,7 +286,7 @@ def fsdp_comparison(checked: Checked | None) -> None:
                   f"{fsdp['param_bytes'][-1]} B")
     worst = max(got["models"][name]["fsdp_diff"] for got in checked.results.values() for name in ("mlp", "odd"))
     assert worst < TOLERANCE, worst  # catches a Zero3 (or a fully_shard) whose updates differ
-    print(f"Our Zero3 equals fully_shard + AdamW after 5 steps on both ranks (max abs diff {worst:.1g} < 1e-6).")
+    print(f"Our Zero3 equals fully_shard + AdamW after 5 steps on every rank (max abs diff {worst:.1g} < 1e-6).")
 
 
 # PyTorch's recipe, recipes_source/zero_redundancy_optimizer.rst (pytorch/tutorials): peak GPU memory of rank 0 in MB
