@@ -31,7 +31,8 @@ STASH = (  # keeps the full gradients out of .grad (the memory check reads .grad
     ("        self._reduce_scatter(p)\n        p.grad = None  # the full gradient is freed during backward",
      "        self.__dict__.setdefault('stash', []).append((p, p.grad))\n        p.grad = None\n"
      "        self.shards[p].grad = torch.zeros_like(self.shards[p])  # the shard's gradient, preallocated"),
-    ("    def step(self) -> None:\n        self.optimizer.step()\n        for p in self.params:\n            self._all_gather(p)",
+    ("    def step(self) -> None:\n        self.optimizer.step()\n"
+     "        for p in self.params:\n            self._all_gather(p)",
      "    def step(self) -> None:\n        for p, grad in self.__dict__.pop('stash', []):\n            p.grad = grad\n"
      "            self._reduce_scatter(p)\n            p.grad = None\n        self.optimizer.step()\n"
      "        for p in self.params:\n            self._all_gather(p)"),
@@ -47,6 +48,13 @@ MUTATIONS = {
         "bucketed", [("dist.all_reduce(flat, async_op=True)", "None"),
                      ("            work.wait()\n            for q, average", "            dist.all_reduce(flat)\n"
                       "            for q, average")], "must start during backward"),
+    "bucketed, an extra broadcast": (
+        "bucketed", [("            work.wait()\n            averages", "            work.wait()\n"
+                      "            dist.broadcast(flat, src=0)\n            averages")], "DDP only all-reduces"),
+    "zero1, all-gathers twice": (
+        "zero1", [("            self._all_gather(p)\n\n    def zero_grad",
+                   "            self._all_gather(p)\n            self._all_gather(p)\n\n    def zero_grad")],
+        "bytes by all_gather; it should be 17704"),
     "zero1, padding in front": (
         "zero1", [("from helpers.zero_kit import alloc_storage, free_storage, padded_flat\n",
                    "from helpers.zero_kit import alloc_storage, free_storage\n" + FRONT_PADDING),
@@ -61,14 +69,15 @@ MUTATIONS = {
         "bytes of gradients after backward"),
     "zero2, reduce-scatters in step()": ("zero2", list(STASH), "reduce-scattered after backward"),
     "zero3, no prefetch": (
-        "zero3", [("        self._start_gather(prefetch)  # the next unit's all-gather runs while this unit computes\n", "")],
+        "zero3", [("        self._start_gather(prefetch)  # the next unit's all-gather runs while this unit computes\n",
+                   "")],
         "was not issued before unit 0's forward ended"),
     "zero3, never frees after forward": (
         "zero3", [("            unit.register_forward_hook(lambda module, args, output, i=i: self._free(i))\n", "")],
         "still held"),
     "zero3, all-gathers in step()": (
-        "zero3", [("        self.optimizer.step()  # no all-gather: the next forward gathers each unit when it needs it\n",
-                   "        super().step()\n")], "bytes of parameters after the step"),
+        "zero3", [("        self.optimizer.step()  # no all-gather: the next forward gathers each unit "
+                   "when it needs it\n", "        super().step()\n")], "bytes of parameters after the step"),
 }
 
 
@@ -111,6 +120,20 @@ def test_starting_code_in_the_notebook_says_not_yet(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 4 and all(line.startswith("Not yet: ") for line in out), out
     assert "the bucket plan" in out[0]  # the per-parameter all-reduce trains right but breaks the plan
+    assert "`shards` should map every parameter" in out[1]  # plain data parallelism: right values, nothing sharded
+
+
+def test_check_reports_a_crash_and_a_hang(tmp_path, capsys):
+    crash = tmp_path / "crash.py"
+    crash.write_text("class Zero1:\n    def __init__(self, *args, **kwargs):\n        raise RuntimeError('boom')\n")
+    assert not check_step("zero1", crash)
+    assert "the check failed with RuntimeError: boom" in capsys.readouterr().out
+    hang = tmp_path / "hang.py"  # rank 0 waits in an all-reduce that rank 1 never joins
+    hang.write_text("import torch, torch.distributed as dist\n\nclass Zero1:\n"
+                    "    def __init__(self, *args, **kwargs):\n        if dist.get_rank() == 0:\n"
+                    "            dist.all_reduce(torch.zeros(1))\n        import time; time.sleep(60)\n")
+    assert not check_step("zero1", hang, timeout=15)
+    assert "still running after 15 s" in capsys.readouterr().out
 
 
 def test_shard_arithmetic_and_storage_helpers():
