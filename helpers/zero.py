@@ -169,8 +169,11 @@ class Checked:
         return self.passed
 
 
-def check_step(stage: str, script: str | Path, timeout: float = 120, nproc: int = 2) -> Checked:
-    """Launch zero_check.py with the class in `script` on `nproc` ranks and decide. Prints Correct or Not yet."""
+def check_step(stage: str, script: str | Path, timeout: float = 120, nproc: int = 2,
+               keep: dict | None = None) -> Checked:
+    """Launch zero_check.py with the class in `script` on `nproc` ranks and decide. Prints Correct or Not yet.
+
+    keep: a dict that receives the run under `stage` when the check passes (a failed check leaves it as it was)."""
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {STAGES}, not {stage!r}")
     try:
@@ -181,7 +184,10 @@ def check_step(stage: str, script: str | Path, timeout: float = 120, nproc: int 
     except WorkerFailed as error:
         raised = [line.strip() for line in str(error).splitlines() if re.match(r"\w+(Error|Exception)\b", line)]
         return Checked(not_yet(f"the check failed with {raised[-1] if raised else 'an error (see the logs)'}"), None)
-    return Checked(check_results(stage, run.results), run.results, str(Path(script).resolve()))
+    checked = Checked(check_results(stage, run.results), run.results, str(Path(script).resolve()))
+    if checked and keep is not None:
+        keep[stage] = checked
+    return checked
 
 
 def _passed(checked: Checked | None, stage: str) -> bool:
