@@ -157,3 +157,24 @@ def test_traffic_counts_an_all_reduce_twice():
               {"op": "all_gather_single", "bytes": 100, "async": False}]
     counts = traffic(events)
     assert counts["volume"] == 400 and counts["all_reduce calls"] == 1 and counts["all_gather_single bytes"] == 100
+
+
+def test_a_learner_who_fills_in_the_four_files_passes(tmp_path, capsys):
+    # the exercise path: my_zero2.py imports Zero1 from my_zero1.py beside it, my_zero3.py Zero2 from my_zero2.py
+    import ast
+
+    source = SOLUTION.read_text()
+    classes = {node.name: ast.get_source_segment(source, node) for node in ast.parse(source).body
+               if isinstance(node, ast.ClassDef)}
+    header = ("import torch\nimport torch.distributed as dist\nfrom torch import nn\n\n"
+              "from helpers.zero_kit import alloc_storage, free_storage, padded_flat\n")
+    files = {"my_bucketed_ddp.py": ("", "BucketedDDP"), "my_zero1.py": ("", "Zero1"),
+             "my_zero2.py": ("from my_zero1 import Zero1\n", "Zero2"),
+             "my_zero3.py": ("from my_zero2 import Zero2\n", "Zero3")}
+    for name, (imports, cls) in files.items():
+        (tmp_path / name).write_text(header + imports + "\n\n" + classes[cls] + "\n")
+    runs = {}
+    for name, stage in zip(files, ("bucketed", "zero1", "zero2", "zero3"), strict=True):
+        assert check_step(stage, tmp_path / name, keep=runs)
+    assert sorted(runs) == ["bucketed", "zero1", "zero2", "zero3"]
+    assert all(line.startswith("Correct: ") for line in capsys.readouterr().out.splitlines())
