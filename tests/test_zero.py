@@ -46,8 +46,8 @@ MUTATIONS = {
         "the bucket plan"),
     "bucketed, all-reduces after backward": (
         "bucketed", [("dist.all_reduce(flat, async_op=True)", "None"),
-                     ("            work.wait()\n            for q, average", "            dist.all_reduce(flat)\n"
-                      "            for q, average")], "must start during backward"),
+                     ("            work.wait()\n            averages", "            dist.all_reduce(flat)\n"
+                      "            averages")], "must start during backward"),
     "bucketed, an extra broadcast": (
         "bucketed", [("            work.wait()\n            averages", "            work.wait()\n"
                       "            dist.broadcast(flat, src=0)\n            averages")], "DDP only all-reduces"),
