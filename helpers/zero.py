@@ -269,16 +269,6 @@ def holdings_figure() -> Any:
     return fig
 
 
-def show_class(path: str | Path, name: str) -> Any:
-    """The source of one class in a file, highlighted (for showing a solution class by class)."""
-    import ast
-
-    from IPython.display import Code
-
-    source = Path(path).read_text()
-    node = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == name)
-    return Code(ast.get_source_segment(source, node), language="python")
-
 
 def fsdp_comparison(checked: Checked | None) -> None:
     """Ours beside FSDP2's fully_shard from the zero3 check run: bytes held per rank, and the parameters' distance."""
