@@ -307,3 +307,29 @@ def ladder_table(results: dict) -> dict[str, list[float]]:
         recipe = f"{zero_mb:>8}{zero_mb / RECIPE_MODEL_MB:>6.2f}{adam_mb:>9}{adam_mb / RECIPE_MODEL_MB:>6.2f}"
         print(f"{phase:<15}{recipe}   |{ratios['torch_zero'][-1]:>10.2f}{ratios['ddp'][-1]:>10.2f}{ours}")
     return ratios
+
+
+def order_figure(checked: Checked | None, model: str = "mlp", step: int = 1) -> Any:
+    """One step of the zero3 run on rank 0, in issue order: a bar per collective (height: bytes), a line per marker."""
+    if not _passed(checked, "zero3"):
+        return None
+    import matplotlib.pyplot as plt
+
+    events = checked.results[0]["models"][model]["impl"]["steps"][step]
+    fig, ax = plt.subplots(figsize=(10, 2.8), dpi=80, layout="constrained")
+    x, labels = 0, {}
+    for event in events:
+        if event["op"] == "mark":  # markers with no collective between them share one line
+            labels.setdefault(x, []).append(event["label"].replace("forward end ", "fwd end "))
+            continue
+        ax.bar(x, event["bytes"], color="tab:blue" if event["op"].startswith("all_gather") else "tab:orange")
+        x += 1
+    for at, names in labels.items():
+        ax.axvline(at - 0.5, color="k", lw=0.8, ls="--")
+        ax.text(at - 0.4, 0.97, "\n".join(names), va="top", fontsize=8, transform=ax.get_xaxis_transform())
+    ax.set_xticks(range(x), [str(i + 1) for i in range(x)])
+    ax.set(xlabel="collectives of one step, in the order this rank issued them", ylabel="bytes (full tensor)",
+           xlim=(-1, x + 1.5))
+    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in ("tab:blue", "tab:orange")],
+              labels=["all-gather", "reduce-scatter"], fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+    return fig
