@@ -23,7 +23,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from helpers.distributed import init_distributed
-from helpers.worker import result
+from helpers.reporting import result
 from helpers.zero_kit import CommLog, build_model, storage_bytes
 
 CLASSES = {"bucketed": "BucketedDDP", "zero1": "Zero1", "zero2": "Zero2", "zero3": "Zero3"}

@@ -19,7 +19,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from helpers.distributed import init_distributed
-from helpers.worker import result
+from helpers.reporting import result
 from helpers.zero_kit import CommLog, build_model, storage_bytes
 
 log = CommLog().install()
