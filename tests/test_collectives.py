@@ -64,6 +64,7 @@ def test_bus_bandwidth_and_small_helpers():
 
 def test_exercise_check_reports_a_deadlock(tmp_path, capsys):
     stuck = tmp_path / "stuck.py"
-    stuck.write_text("import time\ntime.sleep(30)\n")
+    stuck.write_text("import time\nprint('ready', flush=True)\ntime.sleep(30)\n")
     assert not check_all_gather(stuck, nproc=1, timeout=3)
-    assert "deadlock" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "deadlock" in said and "rank 0: " in said and "stuck.py:3" in said, said  # says where the rank waits
