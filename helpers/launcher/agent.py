@@ -7,7 +7,7 @@ environment a terminal ``torchrun`` gives them. Only the entry point differs: wo
 :mod:`helpers.launcher.bootstrap`, forked from this process (fast) or as fresh interpreters.
 
 Writes the agent's result file into the run folder (helpers/run_folder.py): success, or every failed
-rank with its exit code. Its own exit code is one of _run_folder's AGENT_* codes.
+rank with its exit code. Its own exit code is one of run_folder's AGENT_* codes.
 """
 from __future__ import annotations
 

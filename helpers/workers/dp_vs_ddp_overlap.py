@@ -6,7 +6,7 @@ After `--steps` - `--profiled` settling steps (DDP rebuilds its buckets after th
 `--profiled` steps with torch.profiler and hands back, per step, the backward ops (on the training
 thread), the moments each bucket's all-reduce was issued (`c10d::allreduce_`, on the training thread) and
 the all-reduce running in the backend's own thread (`gloo:all_reduce`; with nccl, the CUDA kernel), as
-spans in microseconds from the start of that step's backward. helpers.dp.overlap measures them.
+spans in microseconds from the start of that step's backward. helpers.dp_vs_ddp.overlap measures them.
 gloo on CPU, nccl on GPUs; works with one process too.
 """
 import argparse

@@ -7,7 +7,7 @@
 Every mode trains the same wide MLP (matrix multiplies dominate) for `--steps` steps on the same
 batches and times the steps after the first two:
 - ddp: one process per rank, one intra-op thread each, DistributedDataParallel, global-batch / world size per rank;
-- dp: one process; on CPU helpers.dp.NaiveDataParallel with `--devices` threads and one intra-op thread
+- dp: one process; on CPU helpers.cpu_data_parallel.NaiveDataParallel with `--devices` threads and one intra-op thread
   (so as many threads compute as DDP has processes); with 2+ GPUs, the real nn.DataParallel;
 - single: one process, no wrapper, `--threads` intra-op threads: what the same cores do without any DP.
 Each mode hands back its median step time and a checksum of the trained weights, which must agree.
