@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import warnings
 from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
@@ -99,7 +100,9 @@ def load_in_one_process(folder: str | os.PathLike, truth_file: str | os.PathLike
     optimizer = transformer.make_optimizer(model)
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state, "step": -1}
-    dcp.load(state, checkpoint_id=folder, no_dist=True)
+    with warnings.catch_warnings():  # dcp.load warns whenever no_dist holds, even when asked for (state_dict_loader.py)
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=folder, no_dist=True)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     model_state, optim_state = get_state_dict(model, optimizer)
     loaded = {f"model.{name}": value for name, value in model_state.items()}
