@@ -12,8 +12,9 @@ import threading
 import time
 import warnings
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from helpers.checks import correct, not_yet
 

@@ -6,10 +6,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import WorkerFailed, launch
-from helpers import transformer
-from helpers.mesh import (agrees_with_commdebugmode, check_mlp_plan, checkpoint_files, expected_counts, judge_plan,
-                          load_in_one_process, measure_launch, measured_counts)
+from helpers import WorkerFailed, launch, transformer
+from helpers.mesh import (
+    agrees_with_commdebugmode,
+    check_mlp_plan,
+    checkpoint_files,
+    expected_counts,
+    judge_plan,
+    load_in_one_process,
+    measure_launch,
+    measured_counts,
+)
 
 WORKERS = Path(__file__).resolve().parent.parent / "helpers" / "workers"
 HEADER = "from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel\n" \
@@ -98,7 +105,7 @@ def test_layouts_match_one_process_and_the_plan():
     for rank in range(4):
         for layout in ("hsdp", "fsdp_tp"):
             seen = run.results[rank][layout]
-            assert max(abs(a - b) for a, b in zip(seen["losses"], reference)) < 1e-5
+            assert max(abs(a - b) for a, b in zip(seen["losses"], reference, strict=True)) < 1e-5
             counted = measured_counts(seen["counts"])
             assert counted["forward"] == expected_counts(layout)["forward"]
             assert counted["backward"] == expected_counts(layout)["backward"]

@@ -1,8 +1,10 @@
 """DCP checkpoints that reshard: save under one layout, load under another, check every value, resume.
 
     torchrun --standalone --nproc-per-node 4 helpers/workers/mesh_checkpoint.py save --dir runs/mesh-checkpoint
-    torchrun --standalone --nproc-per-node 4 helpers/workers/mesh_checkpoint.py load --layout fsdp_tp --dir runs/mesh-checkpoint
-    torchrun --standalone --nproc-per-node 2 helpers/workers/mesh_checkpoint.py load --layout fsdp --dir runs/mesh-checkpoint
+    torchrun --standalone --nproc-per-node 4 helpers/workers/mesh_checkpoint.py load --layout fsdp_tp \
+        --dir runs/mesh-checkpoint
+    torchrun --standalone --nproc-per-node 2 helpers/workers/mesh_checkpoint.py load --layout fsdp \
+        --dir runs/mesh-checkpoint
 
 save: FSDP2 over every rank trains --save-at steps, then hands model and optimizer state (get_state_dict)
 to dcp.async_save and goes straight on with the next step, noting when async_save returned, when the step
@@ -33,7 +35,7 @@ warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # the root re
 
 def build(layout: str, world_size: int, device: torch.device) -> tuple[torch.nn.Module, int, int]:
     """The model under `layout`; returns (model, this rank's data-parallel index, data-parallel size)."""
-    model = transformer.Transformer(seed=0)
+    model = transformer.Transformer(seed=0).to(device)
     if layout == "fsdp":
         transformer.apply_fsdp(model, init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",)))
         return model, dist.get_rank(), world_size
@@ -55,8 +57,9 @@ def train(model, optimizer, steps: range, global_batch: int, dp_index: int, dp_s
     losses = []
     for step in steps:
         inputs, targets = transformer.batch(step, global_batch)
-        loss = transformer.train_step(model, optimizer, transformer.rows(inputs, dp_index, dp_size),
-                                      transformer.rows(targets, dp_index, dp_size))
+        device = next(model.parameters()).device
+        loss = transformer.train_step(model, optimizer, transformer.rows(inputs, dp_index, dp_size).to(device),
+                                      transformer.rows(targets, dp_index, dp_size).to(device))
         dist.all_reduce(loss)  # the global batch's mean loss, as one process computes it
         losses.append(loss.item() / dist.get_world_size())  # tp ranks hold equal losses: still the mean
         report(step=step, loss=losses[-1])
@@ -93,7 +96,7 @@ def load(args, model, optimizer, dp_index: int, dp_size: int) -> None:
     state = {"model": model_state, "optim": optim_state, "step": -1}
     dcp.load(state, checkpoint_id=os.path.join(args.dir, f"step-{args.save_at}"))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    truth, loaded = torch.load(os.path.join(args.dir, "full_state.pt")), full_values(model, optimizer)
+    truth, loaded = torch.load(os.path.join(args.dir, "full_state.pt")), full_values(model, optimizer)  # both on CPU
     unequal = sorted(key for key in truth if key not in loaded or not torch.equal(truth[key], loaded[key]))
     local = {name: list(p.to_local().shape) for name, p in model.named_parameters()}
     losses = train(model, optimizer, range(state["step"], args.steps), args.global_batch, dp_index, dp_size)

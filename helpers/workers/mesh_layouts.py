@@ -40,7 +40,8 @@ class CollectivesByDimension(TorchDispatchMode):
 
     def __init__(self, mesh: DeviceMesh) -> None:
         super().__init__()
-        self.dimension = {tuple(dist.get_process_group_ranks(mesh.get_group(name))): name for name in mesh.mesh_dim_names}
+        self.dimension = {tuple(dist.get_process_group_ranks(mesh.get_group(name))): name
+                          for name in mesh.mesh_dim_names}
         self.calls, self.bytes = Counter(), Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -64,7 +65,7 @@ class CollectivesByDimension(TorchDispatchMode):
 
 def build(layout: str, device: torch.device) -> tuple[torch.nn.Module, DeviceMesh, int, int]:
     """The layout's model and mesh; returns (model, mesh, data-parallel index, data-parallel size)."""
-    model, rank = transformer.Transformer(seed=0), dist.get_rank()
+    model, rank = transformer.Transformer(seed=0).to(device), dist.get_rank()
     if layout == "fsdp":
         mesh = init_device_mesh(device.type, (4,), mesh_dim_names=("dp",))
         return transformer.apply_fsdp(model, mesh), mesh, rank, 4
@@ -100,26 +101,29 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=8, help="sequences per step, over all ranks")
     parser.add_argument("--layouts", nargs="+", default=["fsdp", "hsdp", "fsdp_tp", "fsdp_tp_no_sp"])
     args = parser.parse_args()
-    rank, world_size, device = init_distributed()
+    _, world_size, device = init_distributed()
     if world_size != 4:
-        raise SystemExit(f"this worker lays the model out on a 2 x 2 mesh: start it with 4 processes, not {world_size}")
+        raise SystemExit(f"this worker lays the model out on a 2 x 2 mesh: start it with 4 processes, "
+                         f"not {world_size}")
     out = {}
     for number, layout in enumerate(args.layouts):
         model, mesh, dp_index, dp_size = build(layout, device)
         optimizer = transformer.make_optimizer(model)
         losses, counts = [], None
         for step in range(args.steps):
-            inputs, targets = (transformer.rows(t, dp_index, dp_size) for t in transformer.batch(step, args.global_batch))
+            inputs, targets = (transformer.rows(t, dp_index, dp_size).to(device)
+                               for t in transformer.batch(step, args.global_batch))
             if step == 1:
                 loss, counts = counted_step(model, optimizer, mesh, inputs, targets)
             else:
                 loss = transformer.train_step(model, optimizer, inputs, targets)
-            dist.all_reduce(loss)  # sum of every rank's mean; tp ranks hold equal losses, so this / world_size is the mean
+            dist.all_reduce(loss)  # every rank's mean, summed; tp ranks hold equal ones, so / world_size is the mean
             losses.append(loss.item() / world_size)
             progress(number * args.steps + step + 1, len(args.layouts) * args.steps)
         local = {name: list(p.to_local().shape) for name, p in model.named_parameters()}
         out[layout] = {"losses": losses, "counts": counts, "local_shapes": local,
-                       "groups": {name: dist.get_process_group_ranks(mesh.get_group(name)) for name in mesh.mesh_dim_names}}
+                       "groups": {name: dist.get_process_group_ranks(mesh.get_group(name))
+                                  for name in mesh.mesh_dim_names}}
     result(**out)
     dist.destroy_process_group()
 
