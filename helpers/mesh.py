@@ -154,8 +154,8 @@ def judge_plan(results: dict[int, dict]) -> bool:
     if "error" in report:
         hint = ""
         if "Sharding propagation failed" in report["error"] or "shapes cannot be multiplied" in report["error"]:
-            hint = (" The second layer receives the first layer's local output, a slice of the hidden features"
-                    " on each rank: it must expect its input sharded along those features.")
+            hint = (" Each style says what input its layer expects: ColwiseParallel the whole input (Replicate),"
+                    " RowwiseParallel an input split along its features, as a column-wise layer leaves it.")
         return not_yet(f"torch refused the plan on 2 ranks: {report['error']}.{hint}")
     for name, expected in (("w1", "Shard(dim=0)"), ("w2", "Shard(dim=1)")):
         placements = report["weights"][name]["placements"]

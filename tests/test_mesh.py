@@ -68,7 +68,7 @@ def report(**changes) -> dict:
 
 
 @pytest.mark.parametrize("changes, words", [
-    ({"error": "RuntimeError: Sharding propagation failed for aten.mm.default"}, "it must expect its input sharded"),
+    ({"error": "RuntimeError: Sharding propagation failed for aten.mm.default"}, "RowwiseParallel an input split along its features"),
     ({"weights": {"w1": {"placements": [], "local_shape": [256, 64]},
                   "w2": {"placements": ["Shard(dim=1)"], "local_shape": [64, 128]}}}, "whole on every rank"),
     ({"output_shape": [2, 16, 64]}, "every rank should end with the whole output"),
