@@ -121,7 +121,8 @@ def main() -> None:
             losses.append(loss.item() / world_size)
             progress(number * args.steps + step + 1, len(args.layouts) * args.steps)
         local = {name: list(p.to_local().shape) for name, p in model.named_parameters()}
-        out[layout] = {"losses": losses, "counts": counts, "local_shapes": local,
+        placements = {name: repr(tuple(p.placements)) for name, p in model.named_parameters()}
+        out[layout] = {"losses": losses, "counts": counts, "local_shapes": local, "placements": placements,
                        "groups": {name: dist.get_process_group_ranks(mesh.get_group(name))
                                   for name in mesh.mesh_dim_names}}
     result(**out)
