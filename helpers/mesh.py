@@ -194,3 +194,68 @@ def check_mlp_plan(plan_file: str | os.PathLike, timeout: float = 60) -> bool:
         raised = [line.strip() for line in str(error).splitlines() if "Error" in line]
         return not_yet(f"the plan file failed to run: {raised[-1] if raised else 'see the logs'}")
     return judge_plan(run.results)
+
+
+# ---------------------------------------------------------------------------- the second exercise
+
+_GROUPS_OF_EVERY_RANK = """
+import json, math, sys
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
+shape, names = json.loads(sys.argv[1])
+world_size, groups = math.prod(shape), {}
+for rank in range(world_size):  # the fake backend lets one process play each rank in turn, with no peers
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    mesh = init_device_mesh("cpu", tuple(shape), mesh_dim_names=tuple(names))
+    groups[rank] = {name: dist.get_process_group_ranks(mesh.get_group(name)) for name in names}
+    dist.destroy_process_group()
+print(json.dumps(groups))
+"""
+
+
+def mesh_groups(shape: tuple[int, ...], names: tuple[str, ...]) -> dict[int, dict[str, list[int]]]:
+    """Every rank's group along each mesh dimension, as torch's init_device_mesh builds them: run in a child
+    process with torch's fake backend (one process plays each rank in turn; no collective runs)."""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _GROUPS_OF_EVERY_RANK, json.dumps([list(shape), list(names)])],
+                          capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        raise RuntimeError(done.stderr.strip().splitlines()[-1])
+    return {int(rank): groups for rank, groups in json.loads(done.stdout).items()}
+
+
+def check_mesh_for(mesh_for: Callable[[int, int], Any],
+                   clusters: tuple[tuple[int, int], ...] = ((2, 4), (4, 2), (3, 8))) -> bool:
+    """The second exercise: mesh_for(nodes, gpus_per_node) -> (mesh_shape, mesh_dim_names) must put "tp" on
+    the GPUs of one node and "dp" across nodes, with torchrun's numbering (rank = node * gpus_per_node + local)."""
+    import math
+
+    for nodes, gpus in clusters:
+        answer = mesh_for(nodes, gpus)
+        if not (isinstance(answer, tuple) and len(answer) == 2):
+            return not_yet(f"mesh_for({nodes}, {gpus}) returned {answer!r}, not (mesh_shape, mesh_dim_names).")
+        shape, names = tuple(answer[0]), tuple(answer[1])
+        if sorted(names) != ["dp", "tp"] or len(shape) != 2:
+            return not_yet(f"mesh_for({nodes}, {gpus}) named the dimensions {names} for shape {shape}: "
+                           "give two dimensions, named 'dp' and 'tp'.")
+        if math.prod(shape) != nodes * gpus:
+            return not_yet(f"a {shape} mesh has {math.prod(shape)} ranks; {nodes} nodes x {gpus} GPUs have "
+                           f"{nodes * gpus}.")
+        groups = mesh_groups(shape, names)
+        for rank, mine in sorted(groups.items()):
+            spanned = sorted({member // gpus for member in mine["tp"]})
+            if len(spanned) > 1:
+                return not_yet(f"on {nodes} nodes x {gpus} GPUs, rank {rank}'s tp group is {mine['tp']}: it spans "
+                               f"nodes {spanned}, so every layer's collectives would cross the network.")
+            if len(mine["tp"]) != gpus:
+                return not_yet(f"on {nodes} nodes x {gpus} GPUs, rank {rank}'s tp group is {mine['tp']}: "
+                               f"{len(mine['tp'])} of the node's {gpus} GPUs; use the whole node for tp.")
+            if sorted(member // gpus for member in mine["dp"]) != list(range(nodes)):
+                return not_yet(f"on {nodes} nodes x {gpus} GPUs, rank {rank}'s dp group is {mine['dp']}: it should "
+                               "hold one GPU from each node.")
+    return correct(f"on each of {len(clusters)} clusters, torch's init_device_mesh gives every rank a tp group "
+                   "that is exactly its own node and a dp group with one GPU from each node.")

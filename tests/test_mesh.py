@@ -9,6 +9,7 @@ import torch
 from helpers import WorkerFailed, launch, transformer
 from helpers.mesh import (
     agrees_with_commdebugmode,
+    check_mesh_for,
     check_mlp_plan,
     checkpoint_files,
     expected_counts,
@@ -16,6 +17,7 @@ from helpers.mesh import (
     load_in_one_process,
     measure_launch,
     measured_counts,
+    mesh_groups,
 )
 
 WORKERS = Path(__file__).resolve().parent.parent / "helpers" / "workers"
@@ -68,7 +70,8 @@ def report(**changes) -> dict:
 
 
 @pytest.mark.parametrize("changes, words", [
-    ({"error": "RuntimeError: Sharding propagation failed for aten.mm.default"}, "RowwiseParallel an input split along its features"),
+    ({"error": "RuntimeError: Sharding propagation failed for aten.mm.default"},
+     "RowwiseParallel an input split along its features"),
     ({"weights": {"w1": {"placements": [], "local_shape": [256, 64]},
                   "w2": {"placements": ["Shard(dim=1)"], "local_shape": [64, 128]}}}, "whole on every rank"),
     ({"output_shape": [2, 16, 64]}, "every rank should end with the whole output"),
@@ -142,3 +145,21 @@ def test_measure_launch_sees_child_processes():
                               every=0.05)
     assert measured["value"] == 0 and measured["processes"] >= 1 and measured["pss"] > 0
     assert measured["seconds"] >= 0.6
+
+
+@pytest.mark.parametrize("mesh_for, words", [
+    (lambda nodes, gpus: ((nodes, gpus), ("dp", "tp")), "Correct:"),
+    (lambda nodes, gpus: ((nodes * gpus,), ("dp",)), "named the dimensions"),  # the starting code
+    (lambda nodes, gpus: None, "not (mesh_shape, mesh_dim_names)"),
+    (lambda nodes, gpus: ((nodes, gpus + 1), ("dp", "tp")), "ranks;"),
+    (lambda nodes, gpus: ((nodes, gpus), ("tp", "dp")), "so every layer's collectives would cross the network"),
+    (lambda nodes, gpus: ((gpus, nodes), ("dp", "tp")), "use the whole node for tp"),
+])
+def test_mesh_for_check_says_what_is_wrong(mesh_for, words, capsys):
+    assert check_mesh_for(mesh_for) == (words == "Correct:")
+    assert words in capsys.readouterr().out
+
+
+def test_mesh_groups_are_torchs_row_by_row_layout():
+    groups = mesh_groups((2, 3), ("dp", "tp"))
+    assert groups[4] == {"dp": [1, 4], "tp": [3, 4, 5]}
