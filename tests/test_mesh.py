@@ -109,6 +109,7 @@ def test_layouts_match_one_process_and_the_plan():
         for layout in ("hsdp", "fsdp_tp"):
             seen = run.results[rank][layout]
             assert max(abs(a - b) for a, b in zip(seen["losses"], reference, strict=True)) < 1e-5
+            assert seen["grad_gap"] < 1e-6
             counted = measured_counts(seen["counts"])
             assert counted["forward"] == expected_counts(layout)["forward"]
             assert counted["backward"] == expected_counts(layout)["backward"]

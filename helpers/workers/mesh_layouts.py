@@ -5,7 +5,8 @@
 Layouts (helpers/transformer.py): fsdp (FSDP2 over a 1-D mesh of all ranks), hsdp (a 2-D mesh
 ("replicate", "shard") given to fully_shard), fsdp_tp (tensor + sequence parallelism over "tp", FSDP over
 "dp") and fsdp_tp_no_sp (the same without sequence parallelism). Every step uses the same global batch
-(the same tokens) as one process would; each data-parallel rank takes its rows. Step 1 (after FSDP's lazy
+(the same tokens) as one process would; each data-parallel rank takes its rows. After step 0's backward every
+gradient, gathered whole, is compared with one process's (a plain model in this worker). Step 1 (after FSDP's lazy
 initialisation in step 0) runs under torch's CommDebugMode and under CollectivesByDimension, which also
 reads each collective's process group and names its mesh dimension; forward, backward and the optimizer
 step are counted apart. Each layout reports its global mean loss per step. Needs 4 ranks (a 2 x 2 mesh).
@@ -95,6 +96,19 @@ def counted_step(model, optimizer, mesh, inputs, targets) -> tuple[torch.Tensor,
     return loss.detach(), counts
 
 
+def gradient_gap(model, inputs, targets, global_batch: int, device: torch.device) -> tuple[torch.Tensor, float]:
+    """Step 0's forward and backward; returns (loss, largest |gradient - one process's gradient|). The loss
+    alone would not catch wrongly scaled gradients: AdamW's update barely depends on the gradient's scale."""
+    plain = transformer.Transformer(seed=0).to(device)  # one process's model, fed the whole global batch
+    all_inputs, all_targets = (t.to(device) for t in transformer.batch(0, global_batch))
+    transformer.loss_fn(plain(all_inputs), all_targets).backward()
+    loss = transformer.loss_fn(model(inputs), targets)
+    loss.backward()
+    expected = dict(plain.named_parameters())
+    gap = max((p.grad.full_tensor() - expected[name].grad).abs().max().item() for name, p in model.named_parameters())
+    return loss.detach(), gap
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
@@ -113,7 +127,11 @@ def main() -> None:
         for step in range(args.steps):
             inputs, targets = (transformer.rows(t, dp_index, dp_size).to(device)
                                for t in transformer.batch(step, args.global_batch))
-            if step == 1:
+            if step == 0:
+                loss, grad_gap = gradient_gap(model, inputs, targets, args.global_batch, device)
+                optimizer.step()
+                optimizer.zero_grad()
+            elif step == 1:
                 loss, counts = counted_step(model, optimizer, mesh, inputs, targets)
             else:
                 loss = transformer.train_step(model, optimizer, inputs, targets)
@@ -122,7 +140,8 @@ def main() -> None:
             progress(number * args.steps + step + 1, len(args.layouts) * args.steps)
         local = {name: list(p.to_local().shape) for name, p in model.named_parameters()}
         placements = {name: repr(tuple(p.placements)) for name, p in model.named_parameters()}
-        out[layout] = {"losses": losses, "counts": counts, "local_shapes": local, "placements": placements,
+        out[layout] = {"losses": losses, "grad_gap": grad_gap, "counts": counts, "local_shapes": local,
+                       "placements": placements,
                        "groups": {name: dist.get_process_group_ranks(mesh.get_group(name))
                                   for name in mesh.mesh_dim_names}}
     result(**out)

@@ -20,13 +20,16 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import parallelize_module
 
 from helpers import transformer
-from helpers.checks import max_abs_diff
 from helpers.distributed import init_distributed
 from helpers.worker import result
 
 
 def whole(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def max_abs_diff(first: list[torch.Tensor], second: list[torch.Tensor]) -> float:
+    return max((a - b).abs().max().item() for a, b in zip(first, second, strict=True))
 
 
 def try_plan(plan: dict, mesh, block: transformer.FeedForward, x: torch.Tensor) -> dict:
@@ -47,7 +50,7 @@ def try_plan(plan: dict, mesh, block: transformer.FeedForward, x: torch.Tensor) 
                           for name, layer in (("w1", block.w1), ("w2", block.w2))},
               "collectives": counts, "output_shape": list(y.shape), "expected_shape": list(expected.shape)}
     if y.shape == expected.shape:
-        report["output_diff"] = max_abs_diff(y, expected)
+        report["output_diff"] = max_abs_diff([y], [expected])
         report["grad_diff"] = max_abs_diff([whole(block.w1.weight.grad), whole(block.w2.weight.grad)],
                                            [plain.w1.weight.grad, plain.w2.weight.grad])
     return report
