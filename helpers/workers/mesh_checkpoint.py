@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from helpers import transformer
 from helpers.distributed import init_distributed
-from helpers.worker import progress, report, result
+from helpers.reporting import progress, report, result
 
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # the root returns a view; we never write into it
 

@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import transformer
 from helpers.distributed import init_distributed
-from helpers.worker import progress, result
+from helpers.reporting import progress, result
 
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # the root returns a view; we never write into it
 

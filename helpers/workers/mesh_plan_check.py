@@ -21,7 +21,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from helpers import transformer
 from helpers.distributed import init_distributed
-from helpers.worker import result
+from helpers.reporting import result
 
 
 def whole(tensor: torch.Tensor) -> torch.Tensor:

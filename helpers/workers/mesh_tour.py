@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from helpers.distributed import init_distributed
-from helpers.worker import result
+from helpers.reporting import result
 
 
 def main() -> None:
