@@ -4,8 +4,9 @@
     checked = check_step("zero2", "my_zero2.py")   # prints "Correct: ..." or "Not yet: ..."; bool(checked)
 
 check_step launches helpers/workers/zero_check.py on 2 ranks; check_results decides from what every rank
-handed back. Every number it compares with comes from a formula in this file, and every measured number
-from the run (tensors each rank held, collectives each rank issued).
+handed back. Every number it compares with comes from a formula in this file or from torch's DDP in the same
+run (gradients after step 0, parameters after 5 steps, bucket sizes), and every measured number from the run
+(tensors each rank held, collectives each rank issued).
 """
 from __future__ import annotations
 
@@ -15,8 +16,7 @@ from typing import Any
 
 from helpers import LaunchTimeout, WorkerFailed, launch
 from helpers.checks import correct, not_yet
-from helpers.explorers import ddp_buckets
-from helpers.zero_kit import build_model, shard_size
+from helpers.zero_kit import shard_size
 
 WORKERS = Path(__file__).resolve().parent / "workers"
 STAGES = ("bucketed", "zero1", "zero2", "zero3")
@@ -33,8 +33,9 @@ def expected(numels: list[int], world_size: int) -> dict[str, int]:
 
 
 def traffic(events: list[dict]) -> dict[str, int]:
-    """Calls and bytes per operation in one step's events, and the volume in the ZeRO paper's units: an all-reduce
-    of B bytes counts 2B (a reduce-scatter plus an all-gather), every other collective B."""
+    """Calls and bytes per operation in one step's events, and the volume in the ZeRO paper's units: the bytes
+    handed to each collective (the full tensor), weighted by the paper's convention: an all-reduce of B bytes
+    counts 2B (a reduce-scatter plus an all-gather), every other collective B. Not bytes measured on a wire."""
     out: dict[str, int] = {"volume": 0}
     for event in events:
         if event["op"] != "mark":
@@ -48,32 +49,62 @@ def _bytes_of(events: list[dict], prefix: str) -> int:
     return sum(e["bytes"] for e in events if e["op"].startswith(prefix))
 
 
+def _calls_of(events: list[dict], prefix: str) -> int:
+    return sum(1 for e in events if e["op"].startswith(prefix))
+
+
+def _gradient_problem(stage: str, model: dict, rank: int, world_size: int) -> str | None:
+    """Step 0's gradient (bucketed: each .grad; ZeRO: each shard's .grad) against DDP's averaged one."""
+    for pname, got in model["grads"].items():
+        if got["diff"] is not None and got["diff"] <= TOLERANCE * max(1.0, got["scale"]):
+            continue
+        what = "the gradient" if stage == "bucketed" else "the gradient shard"
+        if got["ratio"] is not None and abs(got["ratio"] - world_size) < 1e-3:  # catches a sum not divided by N
+            return (f"after step 0's backward {what} of {pname} is {world_size} times DDP's averaged gradient: "
+                    "divide the summed gradient by the world size.")
+        if stage == "bucketed":  # catches a lost gradient, or one copied back into the wrong parameter
+            return (f"after step 0's backward the gradient of {pname} differs from DDP's averaged gradient "
+                    f"(max abs difference {got['diff']:.2g}).")
+        numel = next(s["numel"] for n, s in model["shards"].items() if n == pname)
+        size = shard_size(numel, world_size)  # catches a shard taken from the wrong place, a wrong scale
+        return (f"after step 0's backward {what} of {pname} should be values [{rank * size}, {(rank + 1) * size}) "
+                f"of DDP's averaged gradient, flattened and zero-padded to {size * world_size}; "
+                + ("it has no gradient." if got["diff"] is None
+                   else f"it differs by up to {got['diff']:.2g}."))
+    return None
+
+
 def _first_problem(stage: str, ranks: dict[int, dict]) -> str | None:
     """The first thing that is wrong, as the sentence after "Not yet: ", or None."""
     for rank, got in sorted(ranks.items()):
         world_size = got["world_size"]
         for name, model in got["models"].items():
             where = f"rank {rank}, model '{name}'"
-            if model["max_diff"] > TOLERANCE:  # catches a wrong average, a lost gradient, a stale shard
+            problem = _gradient_problem(stage, model, rank, world_size)
+            if problem:
+                return f"{where}: {problem}"
+            if model["max_diff"] > TOLERANCE:  # catches a lost gradient, a stale shard, an update not gathered
                 return (f"{where}: after 5 AdamW steps the parameters differ from torch's DDP by "
                         f"{model['max_diff']:.2g} (more than {TOLERANCE:g}).")
-            problem = (_bucket_problem(model, got["cap_mb"], name) if stage == "bucketed"
+            problem = (_bucket_problem(model, got["cap_mb"]) if stage == "bucketed"
                        else _zero_problem(stage, model, rank, world_size))
             if problem:
                 return f"{where}: {problem}"
     return None
 
 
-def _bucket_problem(model: dict, cap_mb: float, name: str) -> str | None:
-    plan = ddp_buckets(build_model(name)[0], cap_mb)["rebuilt"]  # lesson 03's oracle: torch's bucket assignment
+def _bucket_problem(model: dict, cap_mb: float) -> str | None:
+    # the plan: the buckets torch's DDP all-reduced in the same run, in its last step (after its bucket rebuild)
+    plan = [e["bytes"] for e in model["ddp"]["steps"][-1] if e["op"] == "all_reduce"]
     for step, events in enumerate(model["impl"]["steps"]):
         calls = [e for e in events if e["op"] != "mark"]
         sizes = [e["bytes"] for e in calls if e["op"] == "all_reduce"]
         if len(calls) != len(sizes):  # catches a broadcast or reduce-scatter where an all-reduce belongs
             return f"step {step} issued {sorted({e['op'] for e in calls})}; DDP only all-reduces."
         if sizes != plan:  # catches one all-reduce per parameter, a bucket never closed, the wrong order
-            return (f"step {step} all-reduced buckets of {sizes} bytes; the bucket plan (torch's "
-                    f"compute_bucket_assignment_by_size, cap {cap_mb} MiB, gradients back to front) is {plan}.")
+            return (f"step {step} all-reduced buckets of {sizes} bytes; the bucket plan (the buckets torch's DDP "
+                    f"all-reduced in the same run after its rebuild, cap {cap_mb} MiB, gradients back to front) "
+                    f"is {plan}.")
         end = next(i for i, e in enumerate(events) if e.get("label") == "backward end")
         late = [i for i, e in enumerate(events) if e["op"] != "mark" and i > end]
         if late or any(not e["async"] for e in calls):
@@ -105,18 +136,33 @@ def _zero_problem(stage: str, model: dict, rank: int, world_size: int) -> str | 
         if got != should:
             return f"it holds {got} bytes of {what}; {formula} = {should} ({want['shard']} values per rank)."
     full = 4 * want["shard"] * world_size
+    n_params = len(model["numels"])
+    gather_calls = 2 * sum(len(unit) for unit in model["units"]) if stage == "zero3" else n_params
+    gather_bytes = (2 * sum(4 * shard_size(n, world_size) * world_size for unit in model["units"] for n in unit)
+                    if stage == "zero3" else full)
+    plan = {"reduce_scatter": (n_params, full, "one per parameter"),
+            "all_gather": (gather_calls, gather_bytes,
+                           "one per parameter of each unit, in forward and in backward" if stage == "zero3"
+                           else "one per parameter")}
     for step, events in enumerate(impl["steps"]):
         end = next(i for i, e in enumerate(events) if e.get("label") == "backward end")
-        if any(e["op"] == "all_reduce" for e in events):  # catches a ZeRO that all-reduces the gradients
+        ops = {e["op"] for e in events if e["op"] != "mark"}
+        if "all_reduce" in ops:  # catches a ZeRO that all-reduces the gradients
             return f"step {step} all-reduced; reduce-scatter the gradients instead (each rank needs its shard only)."
-        gathers = 2 * sum(4 * shard_size(n, world_size) * world_size for unit in model["units"] for n in unit)
-        want_bytes = {"reduce_scatter": full, "all_gather": gathers if stage == "zero3" else full}
-        for op, should in want_bytes.items():
-            if _bytes_of(events, op) != should:
-                return f"step {step} moved {_bytes_of(events, op)} bytes by {op}; it should be {should}."
+        others = sorted(op for op in ops if not op.startswith(("reduce_scatter", "all_gather")))
+        if others:  # catches any collective outside the plan (a broadcast of the parameters, ...)
+            return f"step {step} issued {others}; the plan is reduce-scatters and all-gathers only."
+        for op, (calls, should, rule) in plan.items():  # catches a collective repeated, missing, or of the wrong size
+            if (_calls_of(events, op), _bytes_of(events, op)) != (calls, should):
+                return (f"step {step} issued {_calls_of(events, op)} {op} calls moving {_bytes_of(events, op)} "
+                        f"bytes; the plan is {calls} calls ({rule}) moving {should} bytes.")
         if stage != "zero1" and _bytes_of(events[end:], "reduce_scatter"):  # catches the reduce-scatter left to step()
             return f"step {step} reduce-scattered after backward; do it in the gradient hook, during backward."
         if stage == "zero3":
+            if events[end]["held"]:  # catches parameters freed in step() instead of after their reduce-scatter
+                return (f"step {step}: when backward ended this rank still held {events[end]['held']} bytes of full "
+                        "parameters; free each parameter once its gradient is reduce-scattered (in the gradient "
+                        "hook).")
             problem = _prefetch_problem(events, model["units"], world_size)
             if problem:
                 return f"step {step}: {problem}"
@@ -124,22 +170,37 @@ def _zero_problem(stage: str, model: dict, rank: int, world_size: int) -> str | 
 
 
 def _prefetch_problem(events: list[dict], units: list[list[int]], world_size: int) -> str | None:
-    """By the end of unit i's forward, the all-gathers of units 0..i+1 must have been issued."""
+    """All-gathers issued by each marker: by the end of unit i's forward, those of units 0..i+1 exactly; by the
+    start of unit i's backward, those of all units in forward and of units i-1..last in backward, exactly."""
     unit_bytes = [sum(4 * shard_size(n, world_size) * world_size for n in unit) for unit in units]
     full_bytes = [4 * sum(unit) for unit in units]
-    issued = 0
+    last, issued = len(units) - 1, 0
     for event in events:
         if event["op"].startswith("all_gather"):
             issued += event["bytes"]
-        match = re.fullmatch(r"forward end (\d+)", event.get("label") or "")
-        if match and event["held"] > (full_bytes[int(match[1]) + 1] if int(match[1]) + 1 < len(units) else 0):
-            i = int(match[1])  # catches a unit left gathered after its forward
-            return (f"after unit {i}'s forward this rank still held {event['held']} bytes of full parameters; "
-                    "free each unit after its forward (only the next, prefetched unit may be held).")
-        if match and int(match[1]) + 1 < len(units):
-            i = int(match[1])
-            if issued < sum(unit_bytes[: i + 2]):  # catches a ZeRO-3 without prefetch
+        label = event.get("label") or ""
+        match = re.fullmatch(r"(forward end|backward start) (\d+)", label)
+        if not match:
+            continue
+        i = int(match[2])
+        if match[1] == "forward end":
+            if event["held"] > (full_bytes[i + 1] if i < last else 0):  # catches a unit left gathered
+                return (f"after unit {i}'s forward this rank still held {event['held']} bytes of full parameters; "
+                        "free each unit after its forward (only the next, prefetched unit may be held).")
+            want = sum(unit_bytes[: i + 2])
+            if issued < want:  # catches a ZeRO-3 without prefetch
                 return f"unit {i + 1}'s all-gather was not issued before unit {i}'s forward ended (no prefetch)."
+            if issued > want:  # catches gathering further ahead (every unit at once: the whole model resident)
+                return (f"by the end of unit {i}'s forward this rank had issued all-gathers of {issued} bytes, more "
+                        f"than units 0..{min(i + 1, last)} need ({want}): gather only the next unit ahead.")
+        else:
+            want = sum(unit_bytes) + sum(unit_bytes[max(i - 1, 0):])
+            if issued < want:  # catches a backward without prefetch
+                return (f"unit {i - 1}'s all-gather was not issued when unit {i}'s backward started (no backward "
+                        "prefetch).")
+            if issued > want:  # catches gathering further ahead in backward
+                return (f"when unit {i}'s backward started this rank had issued all-gathers of {issued} bytes in "
+                        f"this step, more than forward and units {max(i - 1, 0)}..{last} need ({want}).")
     return None
 
 
@@ -154,9 +215,9 @@ def check_results(stage: str, ranks: dict[int, dict]) -> bool:
     what = {"bucketed": "the bucket plan's all-reduces, started during backward",
             "zero1": "Adam state 8 bytes x shard; reduce-scatter + all-gather",
             "zero2": "Adam state and gradients sharded; reduce-scatter during backward",
-            "zero3": "parameters, gradients, Adam state sharded; next unit prefetched"}[stage]
-    return correct(f"{stage} equals DDP + AdamW on every rank for mlp, odd and tied ({what}); "
-                   f"traffic per step {volume / ddp_volume:.2f}x DDP's for mlp.")
+            "zero3": "parameters, gradients, Adam state sharded; next unit prefetched, forward and backward"}[stage]
+    return correct(f"{stage} equals DDP + AdamW on every rank for mlp, odd and tied ({what}); bytes handed to "
+                   f"collectives per step, weighted as the ZeRO paper does, {volume / ddp_volume:.2f}x DDP's for mlp.")
 
 
 class Checked:
@@ -214,7 +275,8 @@ def memory_table(checked: Checked | None, stage: str) -> None:
 
 
 def traffic_table(checked: Checked | None, stage: str, step: int = -1) -> None:
-    """One step's collectives per model: ours (from the check run) beside torch's DDP in the same run."""
+    """One step's collectives per model: ours (from the check run) beside torch's DDP in the same run. "weighted":
+    the bytes handed to the collectives, an all-reduce's counted twice (the ZeRO paper's units; see traffic)."""
     if not _passed(checked, stage):
         return
     for name, model in checked.results[0]["models"].items():
@@ -224,7 +286,7 @@ def traffic_table(checked: Checked | None, stage: str, step: int = -1) -> None:
                 calls = ", ".join(f"{k.split(' ')[0]} {v} calls / {counts[k.replace('calls', 'bytes')]} B"
                                   for k, v in counts.items() if k.endswith("calls"))
                 label = {"ddp": "torch DDP", "impl": f"{stage} (ours)", "fsdp": "torch fully_shard"}[who]
-                print(f"{name:<5} {label:<18} volume {counts['volume']:>6} B = "
+                print(f"{name:<5} {label:<18} weighted {counts['volume']:>6} B = "
                       f"{counts['volume'] / (4 * sum(model['numels'])):.2f} x 4Ψ   [{calls}]")
 
 
@@ -320,7 +382,8 @@ def order_figure(checked: Checked | None, model: str = "mlp", step: int = 1) -> 
     x, labels = 0, {}
     for event in events:
         if event["op"] == "mark":  # markers with no collective between them share one line
-            labels.setdefault(x, []).append(event["label"].replace("forward end ", "fwd end "))
+            labels.setdefault(x, []).append(event["label"].replace("forward end ", "fwd end ")
+                                             .replace("backward start ", "bwd start "))
             continue
         ax.bar(x, event["bytes"], color="tab:blue" if event["op"].startswith("all_gather") else "tab:orange")
         x += 1

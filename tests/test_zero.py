@@ -38,9 +38,29 @@ STASH = (  # keeps the full gradients out of .grad (the memory check reads .grad
      "        for p in self.params:\n            self._all_gather(p)"),
 )
 
+SUMMED = "after step 0's backward the gradient shard of 0.weight is 2 times DDP's averaged gradient"
+NO_DIVISION = [("summed / self.world_size if shard.grad is None else shard.grad + summed / self.world_size",
+                "summed if shard.grad is None else shard.grad + summed")]  # the reader's M7, in Zero1
+NO_DIVISION_ON_ODD = [("summed / self.world_size if shard.grad is None",  # every tensor of `odd` has an odd size
+                       "(summed if p.numel() % 2 else summed / self.world_size) if shard.grad is None")]
+
 MUTATIONS = {
-    "bucketed, no division by the world size": (
-        "bucketed", [("(flat / self.world_size)", "flat")], "differ from torch's DDP"),
+    # LL-1: AdamW hardly reacts to a gradient twice too large, so these are caught by step 0's gradients
+    "bucketed, no division by the world size": (  # the reader's M6
+        "bucketed", [("(flat / self.world_size)", "flat")],
+        "model 'mlp': after step 0's backward the gradient of 0.weight is 2 times DDP's averaged gradient"),
+    "bucketed, no division on a bucket of odd size (odd's only bucket)": (
+        "bucketed", [("(flat / self.world_size)", "(flat / self.world_size if flat.numel() % 2 == 0 else flat)")],
+        "model 'odd': after step 0's backward the gradient of 0.weight is 2 times DDP's averaged gradient"),
+    "zero1, no division by the world size": ("zero1", NO_DIVISION, "model 'mlp': " + SUMMED),
+    "zero2, no division by the world size": ("zero2", NO_DIVISION, "model 'mlp': " + SUMMED),
+    "zero3, no division by the world size": ("zero3", NO_DIVISION, "model 'mlp': " + SUMMED),
+    "zero1, no division on tensors of odd size (every tensor of odd)": (
+        "zero1", NO_DIVISION_ON_ODD, "model 'odd': " + SUMMED),
+    "zero1, never all-gathers the updated shards": (
+        "zero1", [("        self.optimizer.step()\n        for p in self.params:\n            self._all_gather(p)\n\n"
+                   "    def zero_grad", "        self.optimizer.step()\n\n    def zero_grad")],
+        "after 5 AdamW steps the parameters differ from torch's DDP"),
     "bucketed, a bucket may not exceed the cap": (
         "bucketed", [("if size >= cap:", "if size + p.numel() * p.element_size() > cap and self.buckets[-1]:")],
         "the bucket plan"),
@@ -54,7 +74,12 @@ MUTATIONS = {
     "zero1, all-gathers twice": (
         "zero1", [("            self._all_gather(p)\n\n    def zero_grad",
                    "            self._all_gather(p)\n            self._all_gather(p)\n\n    def zero_grad")],
-        "bytes by all_gather; it should be 17704"),
+        "issued 12 all_gather calls moving 35408 bytes; the plan is 6 calls (one per parameter) moving 17704"),
+    "zero1, an extra broadcast per parameter": (  # LL-5, the reader's M3
+        "zero1", [("        alloc_storage(p)\n        p.data.copy_(full[: p.numel()].view_as(p))  # .data",
+                   "        dist.broadcast(p.data, src=0)\n        alloc_storage(p)\n"
+                   "        p.data.copy_(full[: p.numel()].view_as(p))  # .data")],
+        "step 0 issued ['broadcast']; the plan is reduce-scatters and all-gathers only"),
     "zero1, padding in front": (
         "zero1", [("from helpers.zero_kit import alloc_storage, free_storage, padded_flat\n",
                    "from helpers.zero_kit import alloc_storage, free_storage\n" + FRONT_PADDING),
@@ -72,6 +97,19 @@ MUTATIONS = {
         "zero3", [("        self._start_gather(prefetch)  # the next unit's all-gather runs while this unit computes\n",
                    "")],
         "was not issued before unit 0's forward ended"),
+    "zero3, gathers every unit at the start of forward": (  # LL-3, the reader's M1
+        "zero3", [("        self._start_gather(prefetch)  # the next unit's all-gather runs while this unit computes\n",
+                   "        for j in range(len(self.units)) if prefetch == 1 else [prefetch]:\n"
+                   "            self._start_gather(j)\n")],
+        "by the end of unit 0's forward this rank had issued all-gathers of 17704 bytes, more than units 0..1 need"),
+    "zero3, no backward prefetch": (  # LL-4, the reader's M5
+        "zero3", [("self._gather(i, prefetch=i - 1)", "self._gather(i, prefetch=-1)")],
+        "unit 1's all-gather was not issued when unit 2's backward started (no backward prefetch)"),
+    "zero3, frees the parameters in step(), not after their reduce-scatter": (  # LL-2, the reader's M2
+        "zero3", [("        super()._gradient_ready(p)\n        free_storage(p)", "        super()._gradient_ready(p)"),
+                  ("        self.optimizer.step()  # no all-gather: the next forward gathers each unit when it needs "
+                   "it\n", "        self.optimizer.step()\n        for p in self.params:\n            free_storage(p)\n")],
+        "when backward ended this rank still held 17704 bytes of full parameters"),
     "zero3, never frees after forward": (
         "zero3", [("            unit.register_forward_hook(lambda module, args, output, i=i: self._free(i))\n", "")],
         "still held"),

@@ -6,10 +6,11 @@
 --stage: bucketed (BucketedDDP), zero1, zero2 or zero3. For each of three models (helpers.zero_kit.build_model:
 mlp, odd = no tensor divides by 2, tied = one weight shared) it trains 5 AdamW steps on each rank's own data,
 with the class under test and with torch's DistributedDataParallel (and, for zero3, FSDP2's fully_shard),
-from the same weights. Each rank hands back: its parameters and shards, the bytes its tensors hold (read from
-the tensors), every collective issued in each step (helpers.zero_kit.CommLog; torch's DDP is counted through
-its default comm hook, which calls dist.all_reduce), and markers for the ends of backward and of each unit's
-forward. helpers/zero.py reads the results and decides. Works with one process.
+from the same weights. Each rank hands back: how far its gradients after step 0 are from DDP's averaged ones,
+its parameters and shards, the bytes its tensors hold (read from the tensors), every collective issued in each
+step (helpers.zero_kit.CommLog; torch's DDP is counted through its default comm hook, which calls
+dist.all_reduce), and markers for the end of backward and of each unit's forward and the start of each unit's
+backward. helpers/zero.py reads the results and decides. Works with one process.
 """
 import argparse
 import importlib.util
@@ -24,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from helpers.distributed import init_distributed
 from helpers.reporting import result
-from helpers.zero_kit import CommLog, build_model, storage_bytes
+from helpers.zero_kit import CommLog, build_model, padded_flat, storage_bytes
 
 CLASSES = {"bucketed": "BucketedDDP", "zero1": "Zero1", "zero2": "Zero2", "zero3": "Zero3"}
 MODELS, STEPS, LR, CAP_MB = ("mlp", "odd", "tied"), 5, 1e-2, 0.01  # cap 10 KiB: the mlp makes 2 buckets
@@ -45,22 +46,27 @@ def batch(width: int, rank: int, step: int, device: torch.device) -> tuple[torch
     return torch.randn(8, width, generator=generator).to(device), torch.randn(8, generator=generator).to(device)
 
 
-def train(model, optimizer, width, device, rank, after_backward=None, mark_units=()) -> dict:
-    """5 steps; the collectives of each step, and the bytes held after each step's backward and after it."""
-    for i, unit in enumerate(mark_units):  # runs after the class's own hooks: "unit i's forward has ended"
+def train(model, optimizer, width, device, rank, after_backward=None, mark_units=(), grads=None) -> dict:
+    """5 steps; the collectives of each step, and the bytes held after each step's backward and after it.
+
+    grads: a dict that receives, after step 0, each parameter's .grad and each shard's .grad (by tensor)."""
+    for i, unit in enumerate(mark_units):  # run after the class's own hooks, registered before these
         unit.register_forward_hook(lambda *_, i=i: log.mark(f"forward end {i}",
                                                             held=storage_bytes(model.parameters())))
+        unit.register_full_backward_pre_hook(lambda *_, i=i: log.mark(f"backward start {i}"))
     record = {"steps": [], "grad_bytes": [], "param_bytes": [], "state_bytes": []}
     parameters = list(model.parameters()) + list(getattr(optimizer, "shards", {}).values())
     for step in range(STEPS):
         inputs, targets = batch(width, rank, step, device)
         loss = (model(inputs).sum(dim=-1) - targets).pow(2).mean()
         loss.backward()
-        log.mark("backward end")
+        log.mark("backward end", held=storage_bytes(model.parameters()))
         if after_backward:
             after_backward()
         record["grad_bytes"].append(storage_bytes(p.grad for p in parameters))
         optimizer.step()
+        if step == 0 and grads is not None:  # the gradients the optimizer has just used (before zero_grad)
+            grads.update({t: t.grad.detach().clone() for t in parameters if t.grad is not None})
         record["steps"].append(log.take())
         record["param_bytes"].append(storage_bytes(parameters))
         local = getattr(optimizer, "optimizer", optimizer)
@@ -71,35 +77,56 @@ def train(model, optimizer, width, device, rank, after_backward=None, mark_units
 
 
 def gathered(shard: torch.Tensor, numel: int) -> torch.Tensor:
+    """The full parameter from every rank's shard; the harness's own all-gather is not logged."""
     full = torch.empty(dist.get_world_size() * shard.numel(), dtype=shard.dtype, device=shard.device)
+    before = len(log.events)
     dist.all_gather_single(full, shard.detach().contiguous())
+    del log.events[before:]
     return full[:numel]
 
 
+def gradient_distance(got: torch.Tensor | None, want: torch.Tensor) -> dict:
+    """How far a gradient (or shard of one) is from DDP's: max abs difference, DDP's max abs, and the scale
+    factor that best maps DDP's onto it (2.0 on 2 ranks when the sum was not divided by the world size)."""
+    if got is None or got.shape != want.shape:
+        return {"diff": None, "scale": float(want.abs().max()), "ratio": None}
+    got, want = got.detach().cpu().double(), want.detach().cpu().double()
+    return {"diff": float((got - want).abs().max()), "scale": float(want.abs().max()),
+            "ratio": float((got * want).sum() / (want * want).sum().clamp_min(1e-30))}
+
+
 def run_model(name: str, stage: str, cls, rank: int, device: torch.device) -> dict:
+    world_size = dist.get_world_size()
     reference, _, width = build_model(name)
     ddp = DDP(reference.to(device), bucket_cap_mb=CAP_MB)
     ddp.register_comm_hook(None, allreduce_hook)  # torch's default hook: one dist.all_reduce per bucket
-    out = {"ddp": train(ddp, torch.optim.AdamW(ddp.parameters(), lr=LR), width, device, rank)}
+    ddp_grads, impl_grads = {}, {}
+    out = {"ddp": train(ddp, torch.optim.AdamW(ddp.parameters(), lr=LR), width, device, rank, grads=ddp_grads)}
     model, units, _ = build_model(name)
     model = model.to(device)
     if stage == "bucketed":
         model = cls(model, bucket_cap_mb=CAP_MB)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-        out["impl"] = train(model, optimizer, width, device, rank, model.finish_gradient_synchronization)
+        out["impl"] = train(model, optimizer, width, device, rank, model.finish_gradient_synchronization,
+                            grads=impl_grads)
     else:
         optimizer = (cls(model, units, torch.optim.AdamW, lr=LR) if stage == "zero3"
                      else cls(model.parameters(), torch.optim.AdamW, lr=LR))
-        out["impl"] = train(model, optimizer, width, device, rank, mark_units=units if stage == "zero3" else ())
+        out["impl"] = train(model, optimizer, width, device, rank, mark_units=units if stage == "zero3" else (),
+                            grads=impl_grads)
     names = {p: n for n, p in reference.named_parameters()}
     full = {names[q]: p.detach() for p, q in zip(model.parameters(), reference.parameters(), strict=True)}
-    out["shards"] = {}
+    out["shards"], out["grads"] = {}, {}  # grads: step 0's gradient (bucketed) or gradient shard (ZeRO) vs DDP's
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         shard = getattr(optimizer, "shards", {}).get(p)
         if shard is not None:
             out["shards"][names[q]] = {"numel": p.numel(), "values": shard.detach().cpu().tolist()}
+            want = padded_flat(ddp_grads[q], world_size).chunk(world_size)[rank]
+            out["grads"][names[q]] = gradient_distance(impl_grads.get(shard), want)
             if stage == "zero3":  # the full parameter is freed: gather it from the shards (not counted)
                 full[names[q]] = gathered(shard, p.numel()).view_as(q)
+        elif stage == "bucketed":
+            out["grads"][names[q]] = gradient_distance(impl_grads.get(p), ddp_grads[q])
     out["max_diff"] = max(float((full[names[q]] - q.detach()).abs().max()) for q in reference.parameters())
     out["reference"] = {names[q]: q.detach().reshape(-1).cpu().tolist() for q in reference.parameters()}
     out["units"] = [[p.numel() for p in unit.parameters()] for unit in units]

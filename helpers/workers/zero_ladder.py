@@ -6,9 +6,12 @@ PyTorch's recipe (recipes_source/zero_redundancy_optimizer.rst) trains 20 x Line
 once with ZeroRedundancyOptimizer and once without, and prints peak GPU memory after four phases: model created,
 DDP created, before optimizer.step(), after it. Here: the same recipe with --width (default 500, 1/16 of the
 parameters), three ways: DDP + Adam, DDP + ZeroRedundancyOptimizer(Adam), and a Zero1 class from --impl (without
-DDP: it reduce-scatters the gradients itself). After each phase every rank adds up the bytes its tensors hold:
-parameters, DDP's bucket buffers (noted by a comm hook that then runs torch's default all-reduce), gradients,
-Adam state, and the Zero1's shards. Tensors only: a peak also counts temporaries, these sums do not.
+DDP: it reduce-scatters the gradients itself). Every rank adds up the bytes its tensors hold: parameters, DDP's
+bucket buffers, gradients, Adam state, and the Zero1's shards; "model created" when the model is created, "before
+step()" after backward, "after step()" after the step. "DDP created" is not read when DDP is created: the bucket
+buffers are reachable only through a comm hook (which notes each and then runs torch's default all-reduce), so
+that row is the parameters plus those buffers, added up after backward. Tensors only: a peak also counts
+temporaries and the allocator's rounding, these sums do not.
 """
 import argparse
 import importlib.util
@@ -60,7 +63,8 @@ def ladder(mode: str, width: int, rank: int, device: torch.device, zero1=None) -
     inputs, labels = torch.randn(20, width, generator=generator), torch.randn(20, width, generator=generator)
     nn.functional.mse_loss(model(inputs.to(device)), labels.to(device)).backward()
     shards = list(getattr(optimizer, "shards", {}).values())
-    held["DDP created"] = storage_bytes(params + list(buckets.values()))  # buckets exist from DDP's constructor
+    # not read at DDP's creation: the buffers the comm hook received (the reducer allocates buckets in its constructor)
+    held["DDP created"] = storage_bytes(params + list(buckets.values()))
     held["before step()"] = storage_bytes(params + list(buckets.values()) + [p.grad for p in params] + shards)
     optimizer.step()
     local = getattr(optimizer, "optim", None) or getattr(optimizer, "optimizer", optimizer)
