@@ -143,6 +143,16 @@ def test_check_fires_its_message_on_a_wrong_class(name, tmp_path, capsys):
     assert out.startswith("Not yet: ") and message in out, out
 
 
+def test_parameters_alone_miss_a_sum_not_averaged_on_odd_and_tied(tmp_path, capsys):
+    # why the check compares step 0's gradients (LL-1): AdamW's m / sqrt(v) cancels a constant gradient scale, so
+    # after 5 steps a Zero1 that sums without dividing is within 1e-6 of DDP's parameters on odd and tied
+    checked = check_step("zero1", mutated(tmp_path, NO_DIVISION))
+    assert not checked and SUMMED in capsys.readouterr().out
+    for got in checked.results.values():
+        diffs = {name: model["max_diff"] for name, model in got["models"].items()}
+        assert diffs["odd"] < 1e-6 and diffs["tied"] < 1e-6 < diffs["mlp"], diffs
+
+
 def test_starting_code_in_the_notebook_says_not_yet(tmp_path, capsys):
     cells = ["".join(c["source"]) for c in json.loads(NOTEBOOK.read_text())["cells"] if c["cell_type"] == "code"]
     files = {}
