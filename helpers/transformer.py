@@ -9,8 +9,11 @@ The model follows torchtitan's Llama layout and module names (torchtitan/models/
 toy size: token embedding, blocks of RMSNorm -> causal self-attention -> residual, RMSNorm -> MLP -> residual,
 a final RMSNorm and an output Linear. Simpler than Llama: the MLP is w2(silu(w1 x)) without Llama's gate w3,
 no position encoding (causal attention alone), no dropout; fp32, so that every layout can be compared with
-one process. The layouts follow torchtitan's
-`parallelize_llama` (torchtitan/models/llama3/infra/parallelize.py): TP plan first, FSDP on top.
+one process. The layouts are after torchtitan's
+`parallelize_llama` (torchtitan/models/llama3/infra/parallelize.py), simplified: TP plan first, FSDP on top, as
+there; but FSDP units are each block plus the root (torchtitan also wraps tok_embeddings alone and
+[norm, output] together), the logits are all-gathered (torchtitan's default loss_parallel keeps them sharded,
+Shard(-1)), and there is no w3 or q_norm/k_norm to plan for.
 
 This module has no launch or file code: lessons 10 and 11 build their workers on it.
 """
@@ -148,7 +151,7 @@ def apply_hsdp(model: Transformer, mesh: DeviceMesh) -> Transformer:
 
 
 def tp_plan(sequence_parallel: bool = True) -> tuple[dict, dict]:
-    """torchtitan's plan: (plan for the model's top level, plan for each block).
+    """After torchtitan's plan, without loss parallel (logits Replicate): (top-level plan, plan for each block).
 
     With sequence_parallel the norms and residual stream are sharded along the sequence (Shard(1)) between
     the attention and MLP; each block then all-gathers its input and reduce-scatters its output, instead of

@@ -9,7 +9,9 @@ Layouts (helpers/transformer.py): fsdp (FSDP2 over a 1-D mesh of all ranks), hsd
 gradient, gathered whole, is compared with one process's (a plain model in this worker). Step 1 (after FSDP's lazy
 initialisation in step 0) runs under torch's CommDebugMode and under CollectivesByDimension, which also
 reads each collective's process group and names its mesh dimension; forward, backward and the optimizer
-step are counted apart. Each layout reports its global mean loss per step. Needs 4 ranks (a 2 x 2 mesh).
+step are counted apart. Each layout reports, per step, its global mean loss (all-reduced: the same on every
+rank by construction) and this rank's own loss on its rows before that all-reduce, the rows it took at step 0,
+and the local shape of the residual stream leaving block 0. Needs 4 ranks (a 2 x 2 mesh).
 """
 import argparse
 import warnings
@@ -19,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.distributed_c10d import ProcessGroup, _resolve_process_group
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -96,9 +99,10 @@ def counted_step(model, optimizer, mesh, inputs, targets) -> tuple[torch.Tensor,
     return loss.detach(), counts
 
 
-def gradient_gap(model, inputs, targets, global_batch: int, device: torch.device) -> tuple[torch.Tensor, float]:
-    """Step 0's forward and backward; returns (loss, largest |gradient - one process's gradient|). The loss
-    alone would not catch wrongly scaled gradients: AdamW's update barely depends on the gradient's scale."""
+def gradient_gap(model, inputs, targets, global_batch: int, device: torch.device) -> tuple[torch.Tensor, float, float]:
+    """Step 0's forward and backward; returns (loss, largest |gradient - one process's gradient|, largest |one
+    process's gradient|). The loss alone would not catch wrongly scaled gradients: AdamW's update barely depends
+    on the gradient's scale. A factor f shows as a gap of about |f - 1| x the largest gradient."""
     plain = transformer.Transformer(seed=0).to(device)  # one process's model, fed the whole global batch
     all_inputs, all_targets = (t.to(device) for t in transformer.batch(0, global_batch))
     transformer.loss_fn(plain(all_inputs), all_targets).backward()
@@ -106,7 +110,7 @@ def gradient_gap(model, inputs, targets, global_batch: int, device: torch.device
     loss.backward()
     expected = dict(plain.named_parameters())
     gap = max((p.grad.full_tensor() - expected[name].grad).abs().max().item() for name, p in model.named_parameters())
-    return loss.detach(), gap
+    return loss.detach(), gap, max(p.grad.abs().max().item() for p in plain.parameters())
 
 
 def main() -> None:
@@ -123,25 +127,32 @@ def main() -> None:
     for number, layout in enumerate(args.layouts):
         model, mesh, dp_index, dp_size = build(layout, device)
         optimizer = transformer.make_optimizer(model)
-        losses, counts = [], None
+        losses, local_losses, counts, stream = [], [], None, {}
+        # The residual stream leaving block 0, as this rank holds it: sequence parallelism halves it along the sequence.
+        hook = model.layers["0"].register_forward_hook(lambda _m, _i, out: stream.__setitem__(
+            "shape", list((out.to_local() if isinstance(out, DTensor) else out).shape)))
         for step in range(args.steps):
             inputs, targets = (transformer.rows(t, dp_index, dp_size).to(device)
                                for t in transformer.batch(step, args.global_batch))
             if step == 0:
-                loss, grad_gap = gradient_gap(model, inputs, targets, args.global_batch, device)
+                rows_step0 = inputs.tolist()
+                loss, grad_gap, grad_max = gradient_gap(model, inputs, targets, args.global_batch, device)
                 optimizer.step()
                 optimizer.zero_grad()
             elif step == 1:
                 loss, counts = counted_step(model, optimizer, mesh, inputs, targets)
             else:
                 loss = transformer.train_step(model, optimizer, inputs, targets)
+            local_losses.append(loss.item())  # this rank's rows only: ranks with other rows must differ
             dist.all_reduce(loss)  # every rank's mean, summed; tp ranks hold equal ones, so / world_size is the mean
             losses.append(loss.item() / world_size)
             progress(number * args.steps + step + 1, len(args.layouts) * args.steps)
+        hook.remove()
         local = {name: list(p.to_local().shape) for name, p in model.named_parameters()}
         placements = {name: repr(tuple(p.placements)) for name, p in model.named_parameters()}
-        out[layout] = {"losses": losses, "grad_gap": grad_gap, "counts": counts, "local_shapes": local,
-                       "placements": placements,
+        out[layout] = {"losses": losses, "local_losses": local_losses, "dp_index": dp_index, "rows_step0": rows_step0,
+                       "stream_shape": stream["shape"], "grad_gap": grad_gap, "grad_max": grad_max, "counts": counts,
+                       "local_shapes": local, "placements": placements,
                        "groups": {name: dist.get_process_group_ranks(mesh.get_group(name))
                                   for name in mesh.mesh_dim_names}}
     result(**out)

@@ -4,9 +4,11 @@
 
 The plan file defines PLAN, the dict parallelize_module takes for helpers.transformer.FeedForward
 ({"w1": ..., "w2": ...}). Every rank builds the same block and input (seed 0), keeps a plain copy, applies
-PLAN on a 1-D mesh of all ranks and runs forward and backward under CommDebugMode. It reports each weight's
-placements and local shape, the collectives of forward and of backward, and how far the output and the
-weights' gradients are from the plain copy's; or, if torch refuses the plan, the error's last line.
+PLAN on a 1-D mesh of all ranks and runs forward and backward under CommDebugMode. The input requires grad, as
+it does inside the model (it is the output of the norm before the block), so backward computes its gradient
+too. It reports each weight's placements and local shape, the collectives of forward and of backward, and how
+far the output, the weights' gradients and the input's gradient are from the plain copy's; or, if torch refuses
+the plan, the error's last line.
 """
 import argparse
 import copy
@@ -33,8 +35,8 @@ def max_abs_diff(first: list[torch.Tensor], second: list[torch.Tensor]) -> float
 
 
 def try_plan(plan: dict, mesh, block: transformer.FeedForward, x: torch.Tensor) -> dict:
-    plain = copy.deepcopy(block)
-    expected = plain(x)
+    plain, x_plain = copy.deepcopy(block), x.detach().clone().requires_grad_()
+    expected = plain(x_plain)
     expected.sum().backward()
     parallelize_module(block, mesh, plan)
     counts = {}
@@ -51,8 +53,11 @@ def try_plan(plan: dict, mesh, block: transformer.FeedForward, x: torch.Tensor) 
               "collectives": counts, "output_shape": list(y.shape), "expected_shape": list(expected.shape)}
     if y.shape == expected.shape:
         report["output_diff"] = max_abs_diff([y], [expected])
-        report["grad_diff"] = max_abs_diff([whole(block.w1.weight.grad), whole(block.w2.weight.grad)],
-                                           [plain.w1.weight.grad, plain.w2.weight.grad])
+        if x.grad is None:  # the plan cut the input off from backward
+            report["grad_diff"] = float("inf")
+        else:
+            report["grad_diff"] = max_abs_diff([whole(block.w1.weight.grad), whole(block.w2.weight.grad), whole(x.grad)],
+                                               [plain.w1.weight.grad, plain.w2.weight.grad, x_plain.grad])
     return report
 
 
@@ -65,7 +70,9 @@ def main() -> None:
     mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("tp",))
     torch.manual_seed(0)  # every rank: the same block and the same input
     block = transformer.FeedForward(transformer.DIM, transformer.HIDDEN).to(device)
-    x = torch.randn(2, transformer.SEQ, transformer.DIM, device=device)
+    # requires_grad: inside the model the block's input has a gradient to compute (as the norm's output does),
+    # which costs the column-wise layer an all-reduce in backward (Megatron's f); a leaf without grad would hide it.
+    x = torch.randn(2, transformer.SEQ, transformer.DIM, device=device, requires_grad=True)
     try:
         report = try_plan(plan, mesh, block, x)
     except Exception as error:  # every rank fails the same way, before any collective it would wait in
