@@ -1,0 +1,42 @@
+"""Worker kit: one training step's record, the same code for a real run and for its simulated twin.
+
+    from helpers.twin import tp_record
+    record = tp_record(mesh, batches)     # mesh: a 1-D DeviceMesh; batches: [(inputs, targets), ...]
+
+Lesson 10's transformer (helpers/transformer.py) with its tensor-parallel plan and sequence parallelism
+(`apply_tp`), trained with its AdamW on the given batches. For every step the record keeps the loss, and each
+parameter's local gradient and local value after the optimizer step: on a real rank plain tensors, under
+LocalTensorMode (lesson 11) LocalTensors holding every rank's values. The batches are made by the caller: under
+LocalTensorMode a seeded torch.Generator would hand each simulated rank different numbers.
+Taught in notebooks/11_at_scale.ipynb (helpers/workers/scale_twin.py runs it for real).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from helpers.transformer import Transformer, apply_tp, loss_fn, make_optimizer
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (to_local), or the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def tp_record(mesh: DeviceMesh, batches: list[tuple[torch.Tensor, torch.Tensor]],
+              sequence_parallel: bool = True) -> list[dict[str, Any]]:
+    """Train lesson 10's transformer, tensor-parallel over `mesh`, one step per batch; return what each step left."""
+    model = apply_tp(Transformer(seed=0), mesh, sequence_parallel)
+    optimizer = make_optimizer(model)
+    record = []
+    for inputs, targets in batches:
+        loss = loss_fn(model(inputs), targets)
+        loss.backward()
+        grads = {name: local(p.grad).clone() for name, p in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad()
+        params = {name: local(p.detach()).clone() for name, p in model.named_parameters()}
+        record.append({"loss": loss.detach(), "grads": grads, "params": params})
+    return record
