@@ -17,7 +17,9 @@ Taught in notebooks/11_at_scale.ipynb.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -47,8 +49,8 @@ def simulated_world(world_size: int, rank: int = 0) -> Iterator[None]:
 def stand_in(layers: int, width: int, hidden: int, dtype: torch.dtype) -> nn.Sequential:
     """`layers` Linear layers without bias, alternating width -> hidden -> width (build it under FakeTensorMode).
 
-    The ZeRO paper's 7.5B model is 18 layers of 20032 x 20800 = 7,500,019,200 parameters: every weight's first
-    dimension (the one FSDP shards) is a multiple of 64, so 64 ranks get equal shards."""
+    Lesson 11's stand-in for the ZeRO paper's 7.5B model is 18 layers of 20032 x 20800 = 7,499,980,800 parameters:
+    every weight's first dimension (the one FSDP shards) is a multiple of 64, so 64 ranks get equal shards."""
     dims = [width if i % 2 == 0 else hidden for i in range(layers + 1)]
     return nn.Sequential(*[nn.Linear(dims[i], dims[i + 1], bias=False, dtype=dtype) for i in range(layers)])
 
@@ -141,7 +143,8 @@ def held_by_stage(layers: int, width: int, hidden: int, world_size: int) -> dict
 
 
 def paper_figure_1(n_params: float, world_size: int, k: int = 12) -> dict[str, float]:
-    """The ZeRO paper's Figure 1 formulas, bytes per device: (2+2+K)Psi, 2Psi+2Psi+K Psi/N, 2Psi+(2+K)Psi/N, (2+2+K)Psi/N."""
+    """The ZeRO paper's Figure 1 formulas, bytes per device:
+    (2+2+K) Psi, 2 Psi + 2 Psi + K Psi / N, 2 Psi + (2+K) Psi / N, (2+2+K) Psi / N."""
     psi, n = n_params, world_size
     return {"DP": (2 + 2 + k) * psi, "ZeRO-1": 2 * psi + 2 * psi + k * psi / n,
             "ZeRO-2": 2 * psi + (2 + k) * psi / n, "ZeRO-3": (2 + 2 + k) * psi / n}
@@ -194,7 +197,7 @@ def compare_twin(twin: list[dict[str, Any]], real_results: dict[int, dict[str, A
     Returns the number of tensors compared, how many differ, and the largest absolute difference."""
     compared, differing, largest = 0, [], 0.0
     for step, entry in enumerate(twin):
-        for rank, real in real_results.items():
+        for rank, real in sorted(real_results.items()):
             pairs = [("loss", entry["loss"][rank], torch.tensor(real["steps"][step]["loss"]))]
             for kind in ("grads", "params"):
                 pairs += [(f"{kind}/{name}", values[rank], torch.tensor(real["steps"][step][kind][name]))
@@ -209,3 +212,220 @@ def compare_twin(twin: list[dict[str, Any]], real_results: dict[int, dict[str, A
                     else:
                         largest = math.inf
     return {"compared": compared, "differing": differing, "max_abs_diff": largest}
+
+
+# --- traffic: collectives per training step, counted by CommDebugMode under the fake backend --------------------
+
+# FSDP2 calls dist.all_gather_single / dist.reduce_scatter_single (fsdp/_fully_shard/_fsdp_collectives.py:119, :184),
+# which dispatch c10d's _allgather_base_ / _reduce_scatter_base_. DTensor's redistributions call the functional
+# collectives (tensor/placement_types.py:509, :609, :1806). CommDebugMode counts both families.
+_OP_NAMES = {"c10d._allgather_base_": ("dp", "all_gather"), "c10d._reduce_scatter_base_": ("dp", "reduce_scatter"),
+             "c10d_functional.all_gather_into_tensor": ("tp", "all_gather"),
+             "c10d_functional.reduce_scatter_tensor": ("tp", "reduce_scatter"),
+             "c10d_functional.all_reduce": ("tp", "all_reduce")}
+
+
+def model_for(tp: int, blocks: int) -> Any:
+    """Lesson 10's transformer with enough heads for `tp` tensor-parallel ranks (each rank needs whole heads)."""
+    from helpers.transformer import Transformer
+
+    heads = max(4, tp)
+    return Transformer(dim=16 * heads, heads=heads, hidden=64 * heads, blocks=blocks, seed=0)
+
+
+def collective_counts(mesh_shape: tuple[int, int], sequence_parallel: bool = True, blocks: int = 2,
+                      rank: int = 0) -> dict[str, dict[str, int]]:
+    """Collectives of one training step of lesson 10's FSDP x TP layout on a (dp, tp) mesh, seen by `rank`.
+
+    Real (small) tensors on the fake backend: every collective returns at once without moving data, so the values
+    are wrong but every call torch makes is made. The second step is counted (the first also initialises FSDP)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from helpers.transformer import apply_fsdp_tp, batch, make_optimizer, rows, train_step
+
+    dp, tp = mesh_shape
+    # lesson 10's Transformer returns a view from its root FSDP module; FSDP2 warns about in-place ops on it, and
+    # train_step makes none (fsdp/_fully_shard/_fsdp_state.py:336)
+    with simulated_world(dp * tp, rank), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp"))
+        model = apply_fsdp_tp(model_for(tp, blocks), mesh, sequence_parallel)
+        optimizer = make_optimizer(model)
+        inputs, targets = batch(0, dp)
+        inputs, targets = rows(inputs, 0, dp), rows(targets, 0, dp)
+        train_step(model, optimizer, inputs, targets)
+        with CommDebugMode() as counter:
+            train_step(model, optimizer, inputs, targets)
+    counts: dict[str, dict[str, int]] = {"dp": {}, "tp": {}}
+    for op, count in counter.get_comm_counts().items():
+        dim, name = _OP_NAMES[str(op)]  # an op not in the table raises KeyError: a torch change to look at
+        counts[dim][name] = counts[dim].get(name, 0) + count
+    return counts
+
+
+def tp_collectives(blocks: int, sequence_parallel: bool = True) -> dict[str, int]:
+    """Our formula for the tensor-parallel collectives of one step of lesson 10's plan (helpers.transformer.tp_plan).
+
+    With sequence parallelism each block all-gathers its attention and MLP inputs and reduce-scatters their outputs,
+    forward and again (mirrored) in backward: 4 of each per block; the embedding's output adds a reduce-scatter
+    (forward) and an all-gather (backward), the output layer an all-gather of its input and one of the logits
+    (forward) and a reduce-scatter (backward); each norm weight's gradient is all-reduced (2 per block + 1)."""
+    if sequence_parallel:
+        return {"all_gather": 4 * blocks + 3, "reduce_scatter": 4 * blocks + 2, "all_reduce": 2 * blocks + 1}
+    return {"all_gather": 1, "all_reduce": 6 * blocks + 2}  # the exercise explains this line
+
+
+def fsdp_collectives(blocks: int) -> dict[str, int]:
+    """Our formula for FSDP2's collectives per step, one unit per block plus the root (transformer.apply_fsdp).
+
+    Forward gathers every unit; backward gathers the blocks again (reshard_after_forward=None means True for
+    non-root units and False for the root: fsdp/_fully_shard/_fully_shard.py:180-190); every unit reduce-scatters
+    once."""
+    return {"all_gather": 2 * blocks + 1, "reduce_scatter": blocks + 1}
+
+
+@functools.cache
+def _tp_counts_without_sp_cached(blocks: int) -> tuple[tuple[str, int], ...]:
+    return tuple(sorted(collective_counts((1, 2), sequence_parallel=False, blocks=blocks)["tp"].items()))
+
+
+def _tp_counts_without_sp(blocks: int) -> dict[str, int]:
+    """CommDebugMode's tp counts for lesson 10's plan without sequence parallelism (measured once per block count)."""
+    return dict(_tp_counts_without_sp_cached(blocks))
+
+
+def check_tp_counts_without_sp(tp_counts: Any) -> bool:
+    """The exercise: `tp_counts(blocks)` -> the TP collectives of one step without sequence parallelism."""
+    from helpers.checks import correct, not_yet
+
+    for blocks in (1, 2, 3):
+        measured = _tp_counts_without_sp(blocks)
+        try:
+            given = dict(tp_counts(blocks))
+            yours = {name: count for name, count in given.items() if count}
+        except Exception as error:
+            return not_yet(f"tp_counts({blocks}) raised {type(error).__name__}: {error}")
+        if yours != measured:
+            return not_yet(f"with {blocks} block(s) torch ran {measured} per step on the tp dimension; "
+                           f"your formula says {given}.")
+    return correct("your formula matches CommDebugMode's counts for 1, 2 and 3 blocks.")
+
+
+# --- the control for the twin: in which order does each backend add up four ranks? ------------------------------
+
+# 2**24 + 1 rounds back to 2**24 in float32, so the sum depends on the order: (((a + b) + c) + d) = 1 in rank order.
+ORDER_PROBE = (2.0**24, 1.0, -(2.0**24), 1.0)
+
+
+def order_probe_twin(world_size: int = 4) -> dict[str, list[float]]:
+    """all_reduce and reduce_scatter of ORDER_PROBE under LocalTensorMode (rank r contributes ORDER_PROBE[r])."""
+    from torch.distributed._local_tensor import LocalTensorMode
+
+    from helpers.twin import order_probe
+
+    with simulated_world(world_size), LocalTensorMode(world_size) as mode:
+        inputs = mode.rank_map(lambda rank: torch.full((world_size,), ORDER_PROBE[rank % len(ORDER_PROBE)]))
+        summed = order_probe(inputs)
+    return {name: [per_rank(t, world_size)[rank].tolist() for rank in range(world_size)] for name, t in summed.items()}
+
+
+# --- the planner: our formulas, checked against the simulations above -------------------------------------------
+
+def plan(n_params: float, dp: int, tp: int = 1, pp: int = 1, microbatches: int = 1, stage: str = "ZeRO-3",
+         fp32_gradients: bool = False, blocks: int = 2, tokens: int = 4096, hidden: int = 4096) -> dict[str, Any]:
+    """Our planner for a dp x tp x pp layout with ZeRO `stage` over dp (formulas, not measurements).
+
+    memory: bytes per rank by part, the ZeRO paper's accounting on the rank's Psi / (tp x pp) parameters (plus fp32
+    gradients, 4 bytes, sharded from ZeRO-2 on, as the Playbook notes). traffic: bytes each rank sends per step on
+    each mesh dimension, ring algorithms ((n-1)/n of the data per all-gather or reduce-scatter, twice that per
+    all-reduce); dp moves bf16 gradients (2 x Psi', an all-reduce) or, at ZeRO-3, bf16 weights twice and gradients
+    once; tp moves the activations (tokens x hidden x 2 bytes per micro-batch) 8 times per block with sequence
+    parallelism; pp sends one activation forward and one gradient back per micro-batch. counts: collectives per
+    step for lesson 10's transformer with `blocks` blocks. bubble: (pp - 1) / (microbatches + pp - 1).
+    """
+    from helpers.model_parallel import bubble_fraction
+
+    if stage not in STAGES:
+        raise ValueError(f"stage must be one of {STAGES}, not {stage!r}")
+    if min(dp, tp, pp, microbatches) < 1:
+        raise ValueError("dp, tp, pp and microbatches must be at least 1")
+    psi = n_params / (tp * pp)
+    per_param = {"fp16 weights": 2, "fp16 gradients": 2, "fp32 master weights": 4, "Adam state": 8,
+                 "fp32 gradients": 4 if fp32_gradients else 0}
+    memory = {part: psi * size / (dp if part in SHARDED_PARTS[stage] else 1) for part, size in per_param.items()}
+    ring = lambda n: (n - 1) / n  # noqa: E731 - the share of the data each rank sends in a ring
+    dp_passes = 3 if stage == "ZeRO-3" else 2
+    activation = tokens * hidden * 2  # one micro-batch's activations in bf16, bytes
+    traffic = {"dp": dp_passes * ring(dp) * 2 * psi,
+               "tp": 8 * blocks / pp * microbatches * ring(tp) * activation if tp > 1 else 0.0,
+               "pp": 2 * microbatches * activation if pp > 1 else 0.0}
+    counts = {"dp": fsdp_collectives(blocks) if stage == "ZeRO-3" and dp > 1 else {},
+              "tp": tp_collectives(blocks) if tp > 1 else {}}
+    return {"memory": memory, "traffic": traffic, "counts": counts, "bubble": bubble_fraction(pp, microbatches)}
+
+
+def planner_figure(billions: float = 7.5, dp: int = 64, tp: int = 1, pp: int = 1, microbatches: int = 8,
+                   stage: str = "ZeRO-3", fp32_gradients: bool = False) -> Any:
+    """Three panels from `plan`: GB per rank by ZeRO stage, GB sent per rank and step by dimension, and the bubble."""
+    import matplotlib.pyplot as plt
+
+    _, (left, middle, right) = plt.subplots(1, 3, figsize=(12, 3.4), dpi=80, layout="constrained")
+    bottoms = [0.0] * len(STAGES)
+    for part in (*PARTS, "fp32 gradients"):
+        values = [plan(billions * 1e9, dp, tp, pp, microbatches, s, fp32_gradients)["memory"][part] / GB
+                  for s in STAGES]
+        left.bar(STAGES, values, bottom=bottoms, label=part)
+        bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
+    for x, height in enumerate(bottoms):
+        left.text(x, height, f"{height:.3g}", ha="center", va="bottom", fontsize="small")
+    left.set(ylabel="GB per rank", title=f"{billions:g}B params, dp={dp} tp={tp} pp={pp}")
+    left.legend(fontsize="x-small")
+    chosen = plan(billions * 1e9, dp, tp, pp, microbatches, stage, fp32_gradients)
+    middle.bar(list(chosen["traffic"]), [v / GB for v in chosen["traffic"].values()], color="tab:purple")
+    middle.set(ylabel="GB sent per rank per step", title=f"{stage}: traffic by mesh dimension")
+    m = list(range(1, 65))
+    right.plot(m, [plan(1, 1, 1, pp, k)["bubble"] for k in m], "-")
+    right.plot([microbatches], [chosen["bubble"]], "k*", markersize=12)
+    right.set(xlabel="micro-batches", ylabel="idle share", ylim=(0, 1),
+              title=f"pipeline bubble, pp={pp}: {chosen['bubble']:.1%}")
+    return left
+
+
+def planner_explorer() -> Any:
+    """Sliders over `planner_figure` (model size, dp, tp, pp, micro-batches, stage, fp32 gradients)."""
+    import ipywidgets as widgets
+    import matplotlib.pyplot as plt
+
+    controls = dict(
+        billions=widgets.FloatLogSlider(value=7.5, base=10, min=-1, max=3, description="params (B)"),
+        dp=widgets.IntSlider(value=64, min=1, max=512, description="dp"),
+        tp=widgets.IntSlider(value=1, min=1, max=8, description="tp"),
+        pp=widgets.IntSlider(value=1, min=1, max=16, description="pp"),
+        microbatches=widgets.IntSlider(value=8, min=1, max=64, description="micro-batches"),
+        stage=widgets.Dropdown(options=list(STAGES), value="ZeRO-3", description="stage"),
+        fp32_gradients=widgets.Checkbox(value=False, description="fp32 gradients"))
+
+    def show(**values: Any) -> None:
+        planner_figure(**values)
+        plt.show()
+
+    rows = [widgets.HBox(list(controls.values())[i:i + 4]) for i in range(0, len(controls), 4)]
+    return widgets.VBox([*rows, widgets.interactive_output(show, controls)])
+
+
+def fsdp_twin_error(world_size: int = 2) -> str:
+    """Run lesson 10's FSDP layout (transformer.apply_fsdp) under LocalTensorMode; return torch's error, or ""."""
+    from torch.distributed._local_tensor import LocalTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from helpers.transformer import Transformer, apply_fsdp, batch, make_optimizer, train_step
+
+    inputs, targets = batch(0, world_size)
+    with simulated_world(world_size), LocalTensorMode(world_size):
+        model = apply_fsdp(Transformer(seed=0), init_device_mesh("cpu", (world_size,)))
+        try:
+            train_step(model, make_optimizer(model), inputs, targets)
+        except RuntimeError as error:
+            return f"{type(error).__name__}: {error}"
+    return ""

@@ -40,3 +40,14 @@ def tp_record(mesh: DeviceMesh, batches: list[tuple[torch.Tensor, torch.Tensor]]
         params = {name: local(p.detach()).clone() for name, p in model.named_parameters()}
         record.append({"loss": loss.detach(), "grads": grads, "params": params})
     return record
+
+
+def order_probe(values: torch.Tensor) -> dict[str, torch.Tensor]:
+    """all_reduce and reduce_scatter_single (sum) of `values`, whose float32 sum depends on the order of addition."""
+    import torch.distributed as dist
+
+    summed = values.clone()
+    dist.all_reduce(summed)
+    scattered = values.new_empty(values.numel() // dist.get_world_size())
+    dist.reduce_scatter_single(scattered, values.clone())
+    return {"all_reduce": summed, "reduce_scatter": scattered}
