@@ -379,16 +379,25 @@ def planner_figure(billions: float = 7.5, dp: int = 64, tp: int = 1, pp: int = 1
         bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
     for x, height in enumerate(bottoms):
         left.text(x, height, f"{height:.3g}", ha="center", va="bottom", fontsize="small")
-    left.set(ylabel="GB per rank", title=f"{billions:g}B params, dp={dp} tp={tp} pp={pp}")
+    left.set(ylabel="GB per rank", title=f"{billions:g}B params, dp={dp} tp={tp} pp={pp}",
+             ylim=(0, 1.15 * max(bottoms)))
     left.legend(fontsize="x-small")
     chosen = plan(billions * 1e9, dp, tp, pp, microbatches, stage, fp32_gradients)
-    middle.bar(list(chosen["traffic"]), [v / GB for v in chosen["traffic"].values()], color="tab:purple")
-    middle.set(ylabel="GB sent per rank per step", title=f"{stage}: traffic by mesh dimension")
+    sent = [v / GB for v in chosen["traffic"].values()]
+    middle.bar(list(chosen["traffic"]), sent, color="tab:purple")
+    for x, value in enumerate(sent):
+        middle.text(x, value, f"{value:.3g}", ha="center", va="bottom", fontsize="small")
+    middle.set(ylabel="GB sent per rank per step", title=f"{stage}: traffic by mesh dimension",
+               ylim=(0, 1.15 * max(max(sent), 1e-9)))
     m = list(range(1, 65))
-    right.plot(m, [plan(1, 1, 1, pp, k)["bubble"] for k in m], "-")
+    for stages in sorted({2, 4, 8} - {pp}):
+        right.plot(m, [plan(1, 1, 1, stages, k)["bubble"] for k in m], "-", color="lightgrey")
+        right.text(64, plan(1, 1, 1, stages, 64)["bubble"], f"pp={stages}", fontsize="x-small", va="bottom", ha="right")
+    right.plot(m, [plan(1, 1, 1, pp, k)["bubble"] for k in m], "-", color="tab:blue", label=f"pp={pp}")
     right.plot([microbatches], [chosen["bubble"]], "k*", markersize=12)
-    right.set(xlabel="micro-batches", ylabel="idle share", ylim=(0, 1),
-              title=f"pipeline bubble, pp={pp}: {chosen['bubble']:.1%}")
+    right.set(xlabel="micro-batches", ylabel="idle share (1F1B)", ylim=(0, 1),
+              title=f"pipeline bubble, pp={pp}, m={microbatches}: {chosen['bubble']:.1%}")
+    right.legend(fontsize="x-small")
     return left
 
 
