@@ -179,6 +179,7 @@ def twin_record(world_size: int, steps: int = 2, global_batch: int = 4,
     with simulated_world(world_size), LocalTensorMode(world_size):
         record = tp_record(init_device_mesh("cpu", (world_size,)), batches, sequence_parallel)
     return [{"loss": per_rank(entry["loss"], world_size),
+             "outputs": {name: per_rank(t, world_size) for name, t in entry["outputs"].items()},
              "grads": {name: per_rank(t, world_size) for name, t in entry["grads"].items()},
              "params": {name: per_rank(t, world_size) for name, t in entry["params"].items()}} for entry in record]
 
@@ -438,3 +439,17 @@ def fsdp_twin_error(world_size: int = 2) -> str:
         except RuntimeError as error:
             return f"{type(error).__name__}: {error}"
     return ""
+
+
+def first_differing_output(twin: list[dict[str, Any]], real_results: dict[int, dict[str, Any]],
+                           rank: int = 0) -> tuple[list[str], str | None, float]:
+    """Module outputs of the first forward, in the order they were produced: (names equal before the first that
+    differs, that first name or None, its largest absolute difference)."""
+    equal = []
+    for name, values in twin[0]["outputs"].items():
+        simulated, measured = values[rank], torch.tensor(real_results[rank]["outputs"][name])
+        if simulated.shape != measured.shape or not torch.equal(simulated, measured):
+            largest = float((simulated - measured).abs().max()) if simulated.shape == measured.shape else math.inf
+            return equal, name, largest
+        equal.append(name)
+    return equal, None, 0.0

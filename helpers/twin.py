@@ -5,7 +5,8 @@
 
 Lesson 10's transformer (helpers/transformer.py) with its tensor-parallel plan and sequence parallelism
 (`apply_tp`), trained with its AdamW on the given batches. For every step the record keeps the loss, and each
-parameter's local gradient and local value after the optimizer step: on a real rank plain tensors, under
+parameter's local gradient and local value after the optimizer step, and (first step only) every module's output
+in the order forward produced them: on a real rank plain tensors, under
 LocalTensorMode (lesson 11) LocalTensors holding every rank's values. The batches are made by the caller: under
 LocalTensorMode a seeded torch.Generator would hand each simulated rank different numbers.
 Taught in notebooks/11_at_scale.ipynb (helpers/workers/scale_twin.py runs it for real).
@@ -28,17 +29,30 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 def tp_record(mesh: DeviceMesh, batches: list[tuple[torch.Tensor, torch.Tensor]],
               sequence_parallel: bool = True) -> list[dict[str, Any]]:
     """Train lesson 10's transformer, tensor-parallel over `mesh`, one step per batch; return what each step left."""
-    model = apply_tp(Transformer(seed=0), mesh, sequence_parallel)
+    model = apply_tp(Transformer(seed=0).to(mesh.device_type), mesh, sequence_parallel)
     optimizer = make_optimizer(model)
+    outputs: dict[str, torch.Tensor] = {}  # the first step's module outputs, in the order forward produced them
+
+    def keep(name: str):
+        def hook(module, args, output) -> None:
+            if name not in outputs and isinstance(output, torch.Tensor):
+                outputs[name] = local(output).detach().clone()
+        return hook
+
+    hooks = [module.register_forward_hook(keep(name)) for name, module in model.named_modules() if name]
     record = []
     for inputs, targets in batches:
         loss = loss_fn(model(inputs), targets)
+        for handle in hooks:
+            handle.remove()
+        hooks = []
         loss.backward()
         grads = {name: local(p.grad).clone() for name, p in model.named_parameters()}
         optimizer.step()
         optimizer.zero_grad()
         params = {name: local(p.detach()).clone() for name, p in model.named_parameters()}
-        record.append({"loss": loss.detach(), "grads": grads, "params": params})
+        first_step_outputs = outputs if not record else {}
+        record.append({"loss": loss.detach(), "grads": grads, "params": params, "outputs": first_step_outputs})
     return record
 
 

@@ -18,6 +18,7 @@ from helpers.scale import (
     check_tp_counts_without_sp,
     collective_counts,
     compare_twin,
+    first_differing_output,
     fsdp_collectives,
     fsdp_twin_error,
     held_by_stage,
@@ -155,6 +156,8 @@ def test_twin_equals_a_real_two_rank_run_and_a_changed_twin_does_not():
     twin = twin_record(2, steps=1)
     result = compare_twin(twin, run.results)
     assert result["compared"] == 2 * 39 and not result["differing"], result
+    equal, first, _ = first_differing_output(twin, run.results, rank=1)
+    assert first is None and equal[0] == "tok_embeddings" and equal[-1] == "output", (equal, first)
     twin[0]["params"]["norm.weight"][1] = twin[0]["params"]["norm.weight"][1] + 1e-7  # catches a blind comparison
     assert compare_twin(twin, run.results)["differing"] == [(0, 1, "params/norm.weight")]
     assert [run.results[r]["order_probe"]["all_reduce"] for r in (0, 1)] == [[ORDER_PROBE[0]] * 2] * 2

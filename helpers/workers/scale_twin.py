@@ -5,7 +5,8 @@
 Every rank builds the same model (seed 0), shards it over a 1-D mesh of all ranks with lesson 10's plan
 (helpers.transformer.apply_tp) and trains it on the same global batch (tensor parallelism splits the model, not
 the data). helpers.twin.tp_record runs the steps, the same function the notebook runs under LocalTensorMode.
-Each rank hands back, per step, its loss, and its local gradients and parameters as exact float lists; and
+Each rank hands back, per step, its loss, and its local gradients and parameters as exact float lists; every
+module's output in the first forward; and
 what all_reduce and reduce_scatter give for four values whose float32 sum depends on the order of addition.
 Works with one process.
 """
@@ -39,6 +40,7 @@ def main() -> None:
     probe_values = (2.0**24, 1.0, -(2.0**24), 1.0)
     probe = order_probe(torch.full((world_size,), probe_values[rank % 4], device=device))
     result(order_probe={name: t.cpu().tolist() for name, t in probe.items()},
+           outputs={name: t.cpu().tolist() for name, t in record[0]["outputs"].items()},
            steps=[{"loss": entry["loss"].item(),
                    "grads": {name: t.cpu().tolist() for name, t in entry["grads"].items()},
                    "params": {name: t.cpu().tolist() for name, t in entry["params"].items()}} for entry in record])
