@@ -453,3 +453,30 @@ def first_differing_output(twin: list[dict[str, Any]], real_results: dict[int, d
             return equal, name, largest
         equal.append(name)
     return equal, None, 0.0
+
+
+# --- time: this machine's 2-rank step, predicted from measured rates and checked against a real run ------------
+
+def predict_step_seconds(mode: str, *, n_params: int, tensors: int, batch: int, flop_rate: float,
+                         adam_seconds: dict[str, float], latency: float, bandwidth: float,
+                         bucket_bytes: list[int]) -> dict[str, float]:
+    """Our prediction of one training step on 2 ranks, in parts: compute, optimizer, communication (seconds).
+
+    compute: 6 x parameters x rows / FLOP rate (forward 2, backward 4 multiply-adds per parameter and row, for a
+    stack of Linear layers), from one measured matmul. optimizer: the measured Adam step, on all parameters or
+    (ZeRO-1, FSDP) on half. communication, from lesson 01's 2-rank fit t = latency + bytes / bandwidth, with no
+    overlap: DDP all-reduces each of its buckets; ZeRO-1 also broadcasts every parameter tensor from its owner
+    (ZeroRedundancyOptimizer._sync_params, torch/distributed/optim/zero_redundancy_optimizer.py:813-826), each a
+    one-way message (latency / 2 + bytes / bandwidth); FSDP2 all-gathers every layer twice and reduce-scatters it
+    once, each rank sending half (latency / 2 + bytes / (2 bandwidth)). "local" is the control with no peer.
+    """
+    model_bytes = 4 * n_params
+    parts = {"compute": 6 * n_params * batch / flop_rate,
+             "optimizer": adam_seconds["full" if mode in ("local", "ddp") else "half"]}
+    all_reduce = sum(latency + size / bandwidth for size in bucket_bytes)
+    communication = {"local": 0.0, "ddp": all_reduce,
+                     "zero1": all_reduce + tensors * latency / 2 + model_bytes / bandwidth,
+                     "fsdp": 3 * (tensors / 2 * latency / 2 + model_bytes / (2 * bandwidth))}
+    if mode not in communication:
+        raise ValueError(f"mode must be one of {sorted(communication)}, not {mode!r}")
+    return {**parts, "communication": communication[mode]}

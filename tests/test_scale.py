@@ -26,6 +26,7 @@ from helpers.scale import (
     order_probe_twin,
     plan,
     planner_figure,
+    predict_step_seconds,
     simulated_world,
     total,
     tp_collectives,
@@ -194,3 +195,26 @@ def test_planner_figure_draws_the_planner_numbers():
     ax = planner_figure(7.5, dp=64)
     drawn = [sum(bar.get_height() for bar in bars) for bars in zip(*ax.containers, strict=True)]
     assert drawn == pytest.approx([sum(plan(7.5e9, 64, stage=s)["memory"].values()) / 1e9 for s in STAGES])
+
+
+# --- time --------------------------------------------------------------------------------------------------------
+
+def test_step_time_prediction_adds_the_documented_parts():
+    rates = dict(n_params=1000, tensors=4, batch=10, flop_rate=6e4, adam_seconds={"full": 0.2, "half": 0.1},
+                 latency=0.01, bandwidth=4000.0, bucket_bytes=[2000, 2000])
+    assert predict_step_seconds("local", **rates) == {"compute": 1.0, "optimizer": 0.2, "communication": 0.0}
+    assert predict_step_seconds("ddp", **rates)["communication"] == pytest.approx(2 * (0.01 + 0.5))
+    zero1 = predict_step_seconds("zero1", **rates)
+    assert zero1["optimizer"] == 0.1 and zero1["communication"] == pytest.approx(1.02 + 4 * 0.005 + 1.0)
+    assert predict_step_seconds("fsdp", **rates)["communication"] == pytest.approx(3 * (2 * 0.005 + 0.5))
+    with pytest.raises(ValueError, match="mode"):
+        predict_step_seconds("zero2", **rates)
+
+
+def test_step_time_worker_measures_every_mode_and_both_controls():
+    run = launch(WORKERS / "scale_step_time.py", nproc=2, echo=False,
+                 args=["--width", 64, "--layers", 2, "--batch", 8, "--steps", 1, "--warmup", 1])
+    measured = run.results[0]
+    assert set(measured["step_seconds"]) == {"local", "ddp", "zero1", "fsdp", "fsdp_alone"}
+    assert all(t > 0 for t in [*measured["step_seconds"].values(), *measured["sweep_seconds"]])
+    assert measured["n_params"] == 2 * (64 * 64 + 64) and measured["tensors"] == 4 and measured["flop_rate"] > 0
