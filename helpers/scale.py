@@ -265,16 +265,15 @@ def collective_counts(mesh_shape: tuple[int, int], sequence_parallel: bool = Tru
     return counts
 
 
-def tp_collectives(blocks: int, sequence_parallel: bool = True) -> dict[str, int]:
-    """Our formula for the tensor-parallel collectives of one step of lesson 10's plan (helpers.transformer.tp_plan).
+def tp_collectives(blocks: int) -> dict[str, int]:
+    """Our formula for the tensor-parallel collectives of one step of lesson 10's plan with sequence parallelism
+    (helpers.transformer.tp_plan). Without sequence parallelism is the lesson's exercise.
 
-    With sequence parallelism each block all-gathers its attention and MLP inputs and reduce-scatters their outputs,
-    forward and again (mirrored) in backward: 4 of each per block; the embedding's output adds a reduce-scatter
-    (forward) and an all-gather (backward), the output layer an all-gather of its input and one of the logits
-    (forward) and a reduce-scatter (backward); each norm weight's gradient is all-reduced (2 per block + 1)."""
-    if sequence_parallel:
-        return {"all_gather": 4 * blocks + 3, "reduce_scatter": 4 * blocks + 2, "all_reduce": 2 * blocks + 1}
-    return {"all_gather": 1, "all_reduce": 6 * blocks + 2}  # the exercise explains this line
+    Each block all-gathers its attention and MLP inputs and reduce-scatters their outputs, forward and again
+    (mirrored) in backward: 4 of each per block; the embedding's output adds a reduce-scatter (forward) and an
+    all-gather (backward), the output layer an all-gather of its input and one of the logits (forward) and a
+    reduce-scatter (backward); each norm weight's gradient is all-reduced (2 per block + 1)."""
+    return {"all_gather": 4 * blocks + 3, "reduce_scatter": 4 * blocks + 2, "all_reduce": 2 * blocks + 1}
 
 
 def fsdp_collectives(blocks: int) -> dict[str, int]:

@@ -133,7 +133,7 @@ def solution(blocks):
     (lambda blocks: {"all_reduce": 2 * blocks + 1, "all_gather": 1}, "torch ran"),   # forward only
     (lambda blocks: {"all_reduce": 4 * blocks + 2, "all_gather": 1}, "torch ran"),   # one backward per Colwise pair
     (lambda blocks: {"all_reduce": 6 * blocks + 2}, "torch ran"),                    # the logits' all-gather forgotten
-    (lambda blocks: tp_collectives(blocks, sequence_parallel=True), "torch ran"),    # the sequence-parallel counts
+    (lambda blocks: tp_collectives(blocks), "torch ran"),                            # the sequence-parallel counts
     (lambda blocks: {"all_reduce": 6 * blocks + 2, "all_gather": 1} if blocks < 3 else {}, "with 3 block(s)"),
     (lambda blocks: 1 / 0, "raised ZeroDivisionError"),
 ])
