@@ -1,15 +1,17 @@
 """Library code for lesson 11 (beyond your laptop): many ranks simulated in one process, checked.
 
-    from helpers.scale import simulated_world, held_by_stage, collective_counts, twin_step
-    with simulated_world(64, rank=0):                      # torch's "fake" process group: 64 ranks, no peers
-        held = held_by_stage(layers=447, width=4096, world_size=64)   # bytes one rank holds, from torch's tensors
-    collective_counts((8, 8), sequence_parallel=True)      # CommDebugMode's count of one FSDP x TP step
+    from helpers.scale import simulated_world, held_by_stage, collective_counts, twin_record, plan
+    with simulated_world(64, rank=0):                   # torch's "fake" process group: 64 ranks, no peers
+        held = held_by_stage(18, 20032, 20800, world_size=64)   # bytes one rank holds, from torch's tensors
+    collective_counts((8, 8), sequence_parallel=True)   # CommDebugMode's count of one FSDP x TP step
+    twin_record(4)                                      # lesson 10's TP step for 4 ranks under LocalTensorMode
+    plan(7.5e9, dp=64, stage="ZeRO-3")                   # our formulas, checked in the lesson against the above
 
 Three private torch tools do the simulating; each is pinned by tests/test_scale.py:
 - the "fake" backend (torch/testing/_internal/distributed/fake_pg.py): a process group of one rank that
   believes it has `world_size` peers; every collective returns at once and moves no data;
 - FakeTensorMode (torch/_subclasses/fake_tensor.py): tensors with shapes, dtypes and devices but no storage,
-  so a 405-billion-parameter model costs kilobytes;
+  so no tensor's values take memory, whatever its size;
 - LocalTensorMode (torch/distributed/_local_tensor/__init__.py): every rank's values held in one process,
   collectives computed on them, so one SPMD program runs for all ranks at once with real numbers.
 Taught in notebooks/11_at_scale.ipynb.
@@ -153,11 +155,6 @@ def paper_figure_1(n_params: float, world_size: int, k: int = 12) -> dict[str, f
 def total(parts: dict[str, int], fp32_gradients: bool = False) -> int:
     """A stage's bytes: the paper's four parts, plus the fp32 gradients when they are accumulated in fp32."""
     return sum(parts[p] for p in PARTS) + (parts["fp32 gradients"] if fp32_gradients else 0)
-
-
-def square_stand_in(n_params: float, width: int) -> tuple[int, int]:
-    """(layers, width) of a stack of width x width layers closest to `n_params`."""
-    return max(1, round(n_params / width**2)), width
 
 
 def relative_error(value: float, reference: float) -> float:
