@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from helpers.system import pinned
+
 RENDEZVOUS_PORT = 29500
 HAMI_SCHEDULER = "hami-scheduler"
 VOLCANO_SCHEDULER = "volcano"
@@ -150,14 +151,6 @@ def check_slurm_script(text: str) -> list[str]:
 
 
 # ---------------------------------------------------------------------------- the image
-
-def pinned(package: str, requirements: Path = REPO_ROOT / "requirements.txt") -> str:
-    """The exact version requirements.txt pins for `package` (the lessons' one source of versions)."""
-    for line in requirements.read_text().splitlines():
-        name, _, version = line.partition("==")
-        if name.strip().lower() == package.lower():
-            return version.strip()
-    raise KeyError(f"{package} is not pinned in {requirements.name}")
 
 
 def dockerfile() -> str:

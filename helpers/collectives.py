@@ -20,7 +20,7 @@ import numpy as np
 from matplotlib.patches import Rectangle
 
 from helpers.checks import correct, not_yet
-from helpers.launch import LaunchTimeout, Run, WorkerFailed, launch
+from helpers.launcher.api import LaunchTimeout, Run, WorkerFailed, launch
 
 RANK_COLOURS = plt.get_cmap("tab10").colors
 COMBINED_COLOUR = "0.75"  # a number made by adding several ranks' numbers
@@ -177,9 +177,12 @@ def check_all_gather(script: str | Path, nproc: int = 3, timeout: float = 60) ->
                        "or any other collective.")
     try:
         run = launch(script, nproc=nproc, echo=False, timeout=timeout)
-    except LaunchTimeout:
+    except LaunchTimeout as error:
+        where = "; ".join(f"rank {rank}: {line}" for rank, line in sorted(error.where.items()))
         return not_yet(f"the script was still running after {timeout:g} s. A deadlock? "
-                       "(two ranks that both block in send, each waiting for the other to receive)")
+                       f"(two ranks that both block in send, each waiting for the other to receive) "
+                       f"Where each rank was: {where or 'unknown'}. Next time, press Stop (■) as soon as it "
+                       "seems stuck: the launcher says the same at once.")
     except WorkerFailed as error:
         # the exception's own line, not the rank number: which rank fails first varies between runs
         raised = [line.strip() for line in str(error).splitlines()

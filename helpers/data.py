@@ -20,7 +20,9 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-DATA_ROOT = Path(__file__).resolve().parent.parent / "data"
+from helpers import REPO_ROOT
+
+DATA_ROOT = REPO_ROOT / "data"
 _DIGITS_FILE = Path(__file__).resolve().parent / "data" / "digits.csv.gz"
 MNIST_NAME = "MNIST (torchvision)"
 DIGITS_NAME = "UCI handwritten digits shipped with the lessons (offline fallback), 28x28"

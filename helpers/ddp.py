@@ -1,7 +1,9 @@
 """Library code for lesson 02 (DistributedDataParallel), used by its workers and its notebook.
 
-    from helpers.ddp import parameter_checksum, flat, single_process_reference
-    from helpers.ddp import article_source, undefined_names, last_error_line, check_ddp_worker
+    from helpers.tensors import flat, parameter_checksum
+    from helpers.ddp import single_process_reference
+    from helpers.article import article_source
+    from helpers.ddp import check_ddp_worker, last_error_line, undefined_names
 
 Taught in notebooks/02_ddp.ipynb: checksums prove the ranks hold identical weights, the single-
 process reference proves DDP's averaged gradients equal one big batch's, and the article helpers
@@ -11,34 +13,15 @@ from __future__ import annotations
 
 import ast
 import builtins
-import hashlib
 import re
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from helpers.checks import correct, max_abs_diff, not_yet
-
-WORKERS = Path(__file__).resolve().parent / "workers"
-
-
-def tensor_checksum(tensors: list[torch.Tensor]) -> str:
-    """A short hash of the tensors' exact bytes: equal only if they are bitwise equal."""
-    digest = hashlib.sha256()
-    for tensor in tensors:
-        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()[:12]
-
-
-def parameter_checksum(model: nn.Module) -> str:
-    """A short hash of every parameter's exact bytes: equal only if the weights are bitwise equal."""
-    return tensor_checksum(list(model.parameters()))
-
-
-def flat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """All tensors as one 1-D float64 vector (for comparing runs)."""
-    return torch.cat([t.detach().cpu().reshape(-1).double() for t in tensors])
+from helpers import WORKERS
+from helpers.checks import correct, not_yet
+from helpers.tensors import flat, max_abs_diff, parameter_checksum
 
 
 def single_process_reference(global_batch: int, steps: int, lr: float = 0.1, seed: int = 0) -> dict:
@@ -66,32 +49,6 @@ def single_process_reference(global_batch: int, steps: int, lr: float = 0.1, see
 
 
 # ---------------------------------------------------------------- the article's tutorial, as printed
-
-ARTICLE = WORKERS / "ddp_article_original.py"
-ARTICLE_FIXES = {
-    "imports": [("import torch.multiprocessing as mp\n",
-                 "import torch.multiprocessing as mp\nimport os\nimport torch.optim as optim\n")],
-    "gloo": [('dist.init_process_group("nccl"', 'dist.init_process_group("gloo"')],
-    "data": [("from torchvision import datasets, transforms", "from helpers.data import load"),
-             ("    transform = transforms.Compose([transforms.ToTensor()])\n", ""),
-             ("datasets.MNIST(root='./data', train=True, download=True, transform=transform)",
-              "load(train=True)[0]")],
-    "cpu": [("create_model().to(rank)", "create_model()"), ("DDP(model, device_ids=[rank])", "DDP(model)"),
-            ("data.to(rank), target.to(rank)", "data, target")],
-    "port": [("    os.environ['MASTER_ADDR'] = 'localhost'  # noqa: F821\n", ""),
-             ("    os.environ['MASTER_PORT'] = '12355'  # noqa: F821\n", "")],
-}
-
-
-def article_source(fixes: list[str] | tuple[str, ...] = ()) -> str:
-    """The article's tutorial with the named fixes applied (see ARTICLE_FIXES)."""
-    text = ARTICLE.read_text()
-    for name in fixes:
-        for old, new in ARTICLE_FIXES[name]:
-            if old not in text:
-                raise ValueError(f"fix {name!r}: {old!r} not found in {ARTICLE.name}")
-            text = text.replace(old, new)
-    return text
 
 
 def undefined_names(source: str) -> list[str]:
@@ -127,7 +84,7 @@ def check_ddp_worker(script: str | Path, nproc: int = 2) -> bool:
     Prints one line, "Correct: ..." or "Not yet: ...". The untouched starting script gets "Not yet":
     on 2 ranks it runs twice, each copy on all the data.
     """
-    from helpers.launch import WorkerFailed, launch
+    from helpers.launcher.api import WorkerFailed, launch
 
     script = Path(script)
     if not script.is_file():

@@ -1,10 +1,7 @@
-"""Tools for lesson 08 (debugging clinic): cheap cross-rank checks for workers, and readers for what they leave.
+"""Lesson 08's library (debugging clinic): readers for what the planted bugs leave, and the exercise's check.
 
-Worker side (call on every rank, at the same point of every step, so that they stay collectives in lockstep):
-    names = diverged_tensors(model)            # names of parameters/buffers that differ between ranks
-    ranks = nonfinite_ranks(loss)              # ranks whose local loss is NaN or inf (before the all-reduce)
+The cross-rank checks that workers call (diverged_tensors, nonfinite_ranks) are in helpers/instruments.py.
 
-Notebook side:
     own_fingerprints(run)                      # what TORCH_DISTRIBUTED_DEBUG=DETAIL says each rank was running
     read_flight_records(folder)                # the Flight Recorder dumps a worker wrote, per rank
     repair_gloo_dump(folder, out)              # make gloo dumps readable by torch's fr_trace analyser
@@ -12,66 +9,22 @@ Notebook side:
 """
 from __future__ import annotations
 
-import json
 import pickle
 import re
 from pathlib import Path
 from typing import Any
 
 from helpers.checks import correct, not_yet
-
-
-def checksums(named_tensors: dict[str, Any]) -> Any:
-    """One float64 number per tensor: a position-weighted sum, so that swapped elements change it too."""
-    import torch
-
-    values = []
-    for tensor in named_tensors.values():
-        flat = tensor.detach().double().flatten()
-        weights = torch.linspace(1.0, 2.0, flat.numel(), dtype=torch.float64, device=flat.device)
-        values.append((flat * weights).sum())
-    return torch.stack(values) if values else torch.zeros(0, dtype=torch.float64)
-
-
-def diverged_tensors(model: Any, tolerance: float = 0.0) -> list[str]:
-    """Names of the model's parameters and buffers whose checksum is not the same on every rank.
-
-    One all_gather of len(state_dict) numbers: cheap enough to run every few steps of a real job.
-    """
-    import torch
-    import torch.distributed as dist
-
-    named = dict(model.named_parameters())
-    named.update(model.named_buffers())
-    local = checksums(named)
-    gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, local)
-    spread = torch.stack(gathered).amax(0) - torch.stack(gathered).amin(0)
-    return [name for name, gap in zip(named, spread.tolist(), strict=True) if gap > tolerance]
-
-
-def nonfinite_ranks(value: Any) -> list[int]:
-    """The ranks whose `value` (a tensor, e.g. the local loss) holds a NaN or an inf. Call on every rank."""
-    import torch
-    import torch.distributed as dist
-
-    flags = torch.zeros(dist.get_world_size())
-    flags[dist.get_rank()] = float(not torch.isfinite(value.detach()).all())
-    dist.all_reduce(flags)  # each rank fills its own slot; the sum is everyone's flags
-    return [rank for rank, flag in enumerate(flags.tolist()) if flag]
-
+from helpers.launcher.run_folder import tracebacks
+from helpers.mystery_data import PER_RANK_BATCH, STEPS, WORLD_SIZE, images, order
 
 _FINGERPRINT = re.compile(r"Rank (\d+) is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+),? ?"
                           r"OpType=(\w+)(?:, TensorShape=\[([^\]]*)\], TensorDtypes=(\w+))?")
 
 
 def rank_errors(run: Any) -> dict[int, str]:
-    """Every rank's own traceback from a failed run (the launcher keeps them in the run folder's failures/)."""
-    errors = {}
-    for path in sorted(Path(run.log_dir, "failures").glob("rank*-attempt*.json")):
-        record = json.loads(path.read_text())
-        errors[int(record["rank"])] = record["traceback"]
-    return errors
+    """Every rank's own traceback from a failed run (the launcher keeps them in its run folder)."""
+    return tracebacks(run.log_dir)
 
 
 def own_fingerprints(run: Any) -> dict[int, dict[str, Any]]:
@@ -134,10 +87,15 @@ def repair_gloo_dump(folder: str | Path, out: str | Path) -> list[str]:
     return sorted(renamed)
 
 
+def planted() -> tuple[int, int]:
+    """(rank, step) of the blank image: the exercise check compares a learner's diagnosis with this."""
+    blank = int((images()[0].abs().sum(1) == 0).nonzero()[0])
+    rank = next(r for r in range(WORLD_SIZE) if blank in order(r))
+    return rank, order(rank).index(blank) // PER_RANK_BATCH + 1
+
+
 def check_mystery(rank: int | None, step: int | None, fixed_run: Any = None) -> bool:
     """The exercise: the rank and step where the mystery job's NaN was born, and a fixed run that finishes."""
-    from helpers.workers.debug_mystery import STEPS, planted
-
     true_rank, true_step = planted()
     if rank is None or step is None:
         return not_yet("set `rank` and `step` to where the first NaN was born (before the all-reduce spread it)")

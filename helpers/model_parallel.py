@@ -4,20 +4,16 @@
     memory_per_rank(n_params=1_000_000, world_size=2, mode="fsdp")    # bytes per rank by part
     pipeline_schedule(stages=2, microbatches=4, schedule="1f1b")        # slots, bubble, peak in flight
 
-Workers import `held_bytes`, `SavedActivations`, `SimulatedWork` and `Stopwatch` from here; the notebook
-imports the formulas, `measured_slots` and `plot_timeline`. The model, `mlp`, lives in helpers/models.py.
+The notebook imports the formulas and `measured_slots`; the instruments its workers use (`SavedActivations`,
+`SimulatedWork`, `Stopwatch`) are in helpers/instruments.py, `held_bytes` in helpers/tensors.py, the model (`mlp`)
+and `split_stages` in helpers/models.py, and `plot_timeline` in helpers/plots.py.
 Taught in notebooks/07_model_parallel.ipynb.
 """
 from __future__ import annotations
 
-import time
-from collections.abc import Iterable, Sequence
-from itertools import pairwise
+from collections.abc import Sequence
 from statistics import median
 from typing import Any
-
-import torch
-from torch import nn
 
 # What one rank keeps per parameter, in bytes, for each precision (the optimizer's own state comes on top).
 # fp32 and autocast are the same here: autocast (torch.amp) keeps fp32 weights and gradients; its 16-bit
@@ -50,18 +46,6 @@ def memory_per_rank(n_params: int, world_size: int, mode: str, precision: str = 
             "optimizer state": per_param["master"] + OPTIMIZER_STATE[optimizer]}
     parts = {part: n_params * size / (world_size if part in _SHARDED[mode] else 1) for part, size in full.items()}
     return {**parts, "activations": float(activation_bytes)}
-
-
-def split_stages(model: nn.Sequential, parts: int) -> list[nn.Sequential]:
-    """Cut a Sequential into `parts` consecutive stages holding about equal numbers of parameters."""
-    sizes = [sum(p.numel() for p in layer.parameters()) for layer in model]
-    total, bounds, running = sum(sizes), [0], 0
-    for index, size in enumerate(sizes):
-        running += size
-        if len(bounds) < parts and running >= total * len(bounds) / parts:
-            bounds.append(index + 1)
-    bounds.append(len(model))
-    return [model[start:end] for start, end in pairwise(bounds)]
 
 
 def activation_bytes(per_rank_batch: int, width: int, hidden_layers: int, bytes_per_value: int = 4) -> int:
@@ -156,148 +140,6 @@ def measured_slots(events: Sequence[dict[str, Any]]) -> list[list[str | None]]:
     return [row + [None] * (length - len(row)) for row in rows]
 
 
-def held_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes these tensors occupy on this rank (only the local shard of a sharded DTensor)."""
-    return sum(_local(tensor).numel() * tensor.element_size() for tensor in tensors)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
-class _Saved:
-    """What autograd stores instead of a saved tensor while SavedActivations is on: it knows when it is freed."""
-
-    def __init__(self, tensor: torch.Tensor, key: tuple, counter: SavedActivations) -> None:
-        self.tensor, self.key, self.counter = tensor, key, counter
-
-    def __del__(self) -> None:
-        self.counter._release(self.key)
-
-
-class SavedActivations:
-    """Counts the bytes autograd saves for backward while `model` runs (its weights left out).
-
-    `bytes`: everything saved while the context was on. `live`/`peak`: what is saved and not yet freed,
-    now and at most (autograd drops saved tensors once the backward that needs them has run). Counted with
-    `torch.autograd.graph.saved_tensors_hooks`, which sees every tensor autograd saves outside a
-    `torch.utils.checkpoint` region (inside one, the checkpoint's own hooks take over).
-    """
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-        self.bytes = self.live = self.peak = 0
-        self._held: dict[tuple, list[int]] = {}  # key -> [times saved and not freed, bytes]
-
-    def _pack(self, tensor: torch.Tensor) -> Any:
-        # Looked up now: FSDP swaps in gathered (unsharded) weights only while a layer runs.
-        weights = {_local(p).untyped_storage().data_ptr() for p in self.model.parameters()}
-        if tensor.untyped_storage().data_ptr() in weights:
-            return tensor
-        # A tensor saved twice (a ReLU output is also the next Linear's input) is held once.
-        key = (tensor.data_ptr(), tensor.numel(), tensor.element_size())
-        if key not in self._held:
-            size = tensor.numel() * tensor.element_size()
-            self._held[key] = [0, size]
-            self.bytes += size
-            self.live += size
-            self.peak = max(self.peak, self.live)
-        self._held[key][0] += 1
-        return _Saved(tensor, key, self)
-
-    def _release(self, key: tuple) -> None:
-        entry = self._held[key]
-        entry[0] -= 1
-        if entry[0] == 0:
-            self.live -= entry[1]
-            del self._held[key]
-
-    @staticmethod
-    def _unpack(saved: Any) -> torch.Tensor:
-        return saved.tensor if isinstance(saved, _Saved) else saved
-
-    def __enter__(self) -> SavedActivations:
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._hooks.__exit__(*exc)
-
-
-class _Sleep(torch.autograd.Function):
-    """Identity that takes `seconds` in forward and again in backward, like a stage with fixed compute."""
-
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, seconds: float) -> torch.Tensor:
-        ctx.seconds = seconds
-        time.sleep(seconds)
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        time.sleep(ctx.seconds)
-        return grad, None
-
-
-class SimulatedWork(nn.Module):
-    """Adds `ms_per_sample` x batch milliseconds to a stage's forward and to its backward (none if 0).
-
-    On a 2-core CPU a stage of a small MLP computes a micro-batch in about the time a `gloo` message takes,
-    so the pipeline's idle time would be mostly messaging. Sleeping makes the stage time known and lets two
-    processes share two busy cores without slowing each other.
-    """
-
-    def __init__(self, ms_per_sample: float) -> None:
-        super().__init__()
-        self.ms_per_sample = ms_per_sample
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.ms_per_sample == 0:
-            return x
-        return _Sleep.apply(x, self.ms_per_sample * x.shape[0] / 1e3)
-
-
-class _Mark(torch.autograd.Function):
-    """Identity that records the time when the forward and the backward pass through it."""
-
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, watch: Stopwatch, name: str) -> torch.Tensor:
-        ctx.watch, ctx.name = watch, name
-        watch.times.append((f"forward {name}", time.time()))
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        ctx.watch.times.append((f"backward {ctx.name}", time.time()))
-        return grad, None, None
-
-
-class Stopwatch(nn.Module):
-    """Wraps a stage so that every forward and backward through it becomes a (kind, start, end) interval."""
-
-    def __init__(self, stage: nn.Module) -> None:
-        super().__init__()
-        self.stage = stage
-        self.times: list[tuple[str, float]] = []
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The first stage gets plain data; asking for its gradient is what makes "backward start" fire.
-        x = _Mark.apply(x if x.requires_grad else x.detach().requires_grad_(), self, "start")
-        return _Mark.apply(self.stage(x), self, "end")
-
-    def intervals(self) -> list[tuple[str, float, float]]:
-        """Forward runs from 'start' to 'end'; backward runs back from 'end' to 'start'."""
-        intervals, opened = [], {}
-        for label, moment in self.times:
-            kind, mark = label.split()
-            if (kind, mark) in (("forward", "start"), ("backward", "end")):
-                opened.setdefault(kind, []).append(moment)
-            else:
-                intervals.append((kind, opened[kind].pop(0), moment))
-        return intervals
-
-
 def idle_fraction(events: Sequence[dict[str, Any]]) -> float:
     """Share of (ranks x step time) in which no rank computes; events are {rank, kind, start, end}."""
     begin = min(e["start"] for e in events)
@@ -305,40 +147,6 @@ def idle_fraction(events: Sequence[dict[str, Any]]) -> float:
     ranks = {e["rank"] for e in events}
     busy = sum(e["end"] - e["start"] for e in events)
     return 1 - busy / (span * len(ranks))
-
-
-def plot_timeline(events: Sequence[dict[str, Any]], *, title: str, ax: Any = None) -> Any:
-    """One row per rank: forward (blue) and backward (orange) intervals in milliseconds from the start."""
-    import matplotlib.pyplot as plt
-
-    from helpers.plots import FIGSIZE
-
-    if ax is None:
-        _, ax = plt.subplots(figsize=(FIGSIZE[0], 1.0 + 0.6 * len({e["rank"] for e in events})), dpi=80,
-                             layout="constrained")
-    begin = min(e["start"] for e in events)
-    colours = {"forward": "tab:blue", "backward": "tab:orange"}
-    for event in events:
-        ax.broken_barh([((event["start"] - begin) * 1e3, (event["end"] - event["start"]) * 1e3)],
-                       (event["rank"] - 0.4, 0.8), color=colours[event["kind"]], edgecolor="white")
-    ranks = sorted({e["rank"] for e in events})
-    ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
-    ax.invert_yaxis()
-    ax.set(title=title, xlabel="milliseconds since the step began")
-    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()],
-              labels=list(colours), loc="upper right", fontsize="small")
-    ax.grid(axis="x", alpha=0.3)
-    return ax
-
-
-def plain_log_ticks(ax: Any, ticks: Sequence[float], axis: str = "x") -> None:
-    """Label a log axis with the given values as plain numbers (1, 2, 4, 8), not as 2x10^0."""
-    from matplotlib.ticker import NullFormatter, NullLocator
-
-    which = ax.xaxis if axis == "x" else ax.yaxis
-    which.set_ticks(list(ticks), [f"{t:g}" for t in ticks])
-    which.set_minor_locator(NullLocator())
-    which.set_minor_formatter(NullFormatter())
 
 
 def check_smallest_mode(smallest_mode: Any) -> bool:

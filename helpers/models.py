@@ -7,6 +7,8 @@ pipeline stages and to shard layer by layer.
 """
 from __future__ import annotations
 
+from itertools import pairwise
+
 import torch
 from torch import nn
 
@@ -59,3 +61,15 @@ def build_model(name: str = "simple") -> nn.Module:
     if name not in models:
         raise ValueError(f"unknown model {name!r}; choose one of {sorted(models)}")
     return models[name]()
+
+
+def split_stages(model: nn.Sequential, parts: int) -> list[nn.Sequential]:
+    """Cut a Sequential into `parts` consecutive stages holding about equal numbers of parameters."""
+    sizes = [sum(p.numel() for p in layer.parameters()) for layer in model]
+    total, bounds, running = sum(sizes), [0], 0
+    for index, size in enumerate(sizes):
+        running += size
+        if len(bounds) < parts and running >= total * len(bounds) / parts:
+            bounds.append(index + 1)
+    bounds.append(len(model))
+    return [model[start:end] for start, end in pairwise(bounds)]

@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import matplotlib.pyplot as plt
+from matplotlib.ticker import NullFormatter, NullLocator
 
 FIGSIZE = (6.4, 3.6)
 
@@ -100,3 +101,31 @@ def plot_process_model(workers: Sequence[Mapping[str, Any]], title: str = "One j
     ax.set(xlim=(0, 0.3 + 2.9 * len(nodes)), ylim=(0, 0.9 * per_node + 1.7), title=title)
     ax.axis("off")
     return ax
+
+
+def plot_timeline(events: Sequence[dict[str, Any]], *, title: str, ax: Any = None) -> Any:
+    """One row per rank: forward (blue) and backward (orange) intervals in milliseconds from the start."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(FIGSIZE[0], 1.0 + 0.6 * len({e["rank"] for e in events})), dpi=80,
+                             layout="constrained")
+    begin = min(e["start"] for e in events)
+    colours = {"forward": "tab:blue", "backward": "tab:orange"}
+    for event in events:
+        ax.broken_barh([((event["start"] - begin) * 1e3, (event["end"] - event["start"]) * 1e3)],
+                       (event["rank"] - 0.4, 0.8), color=colours[event["kind"]], edgecolor="white")
+    ranks = sorted({e["rank"] for e in events})
+    ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
+    ax.invert_yaxis()
+    ax.set(title=title, xlabel="milliseconds since the step began")
+    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()],
+              labels=list(colours), loc="upper right", fontsize="small")
+    ax.grid(axis="x", alpha=0.3)
+    return ax
+
+
+def plain_log_ticks(ax: Any, ticks: Sequence[float], axis: str = "x") -> None:
+    """Label a log axis with the given values as plain numbers (1, 2, 4, 8), not as 2x10^0."""
+    which = ax.xaxis if axis == "x" else ax.yaxis
+    which.set_ticks(list(ticks), [f"{t:g}" for t in ticks])
+    which.set_minor_locator(NullLocator())
+    which.set_minor_formatter(NullFormatter())

@@ -1,13 +1,15 @@
 """Worker kit: lesson 10's small transformer, its one-process reference step, and three ways to lay it out.
 
-    from helpers.transformer import Transformer, batch, reference_losses, apply_fsdp, apply_hsdp, apply_fsdp_tp
+    from helpers.transformer import Transformer, apply_fsdp, apply_fsdp_tp, apply_hsdp, batch, reference_losses
     model = Transformer(seed=0)                      # the same weights in every process
-    apply_fsdp_tp(model, mesh)                       # mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    apply_fsdp_tp(model, mesh)
 
-The model follows torchtitan's Llama layout (torchtitan/models/llama3/model/model.py) at toy size:
-token embedding, blocks of RMSNorm -> causal self-attention -> residual, RMSNorm -> MLP -> residual,
-a final RMSNorm and an output Linear. No position encoding (causal attention alone), no dropout, fp32,
-so that every layout can be compared with one process. The layouts follow torchtitan's
+The model follows torchtitan's Llama layout and module names (torchtitan/models/llama3/model/model.py) at
+toy size: token embedding, blocks of RMSNorm -> causal self-attention -> residual, RMSNorm -> MLP -> residual,
+a final RMSNorm and an output Linear. Simpler than Llama: the MLP is w2(silu(w1 x)) without Llama's gate w3,
+no position encoding (causal attention alone), no dropout; fp32, so that every layout can be compared with
+one process. The layouts follow torchtitan's
 `parallelize_llama` (torchtitan/models/llama3/infra/parallelize.py): TP plan first, FSDP on top.
 
 This module has no launch or file code: lessons 10 and 11 build their workers on it.
@@ -19,8 +21,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                               SequenceParallel, parallelize_module)
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 VOCAB, DIM, HEADS, HIDDEN, BLOCKS, SEQ = 256, 64, 4, 256, 2, 32
 
@@ -81,7 +88,8 @@ class Transformer(nn.Module):
         return self.output(self.norm(x))
 
 
-def batch(step: int, batch_size: int, seq: int = SEQ, vocab: int = VOCAB, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(step: int, batch_size: int, seq: int = SEQ, vocab: int = VOCAB,
+          seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Step `step`'s (inputs, targets), the same in every process: sequences that count up by a random
     stride from a random start (mod vocab), so that the loss can fall. Each rank takes its own rows."""
     generator = torch.Generator().manual_seed(seed * 100_003 + step)

@@ -1,11 +1,12 @@
 """Fixtures shared by the tests: launches run in a temporary folder and leave no process behind."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import psutil
 import pytest
+
+from helpers.launcher.run_folder import alive, registered_pids
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -26,21 +27,12 @@ def in_tmp(tmp_path, monkeypatch) -> Path:
 class Processes:
     """What a test asks about the processes of a run."""
 
-    @staticmethod
-    def worker_pids(log_dir: Path) -> list[int]:
-        """Every worker the run registered (any attempt)."""
-        return [json.loads(p.read_text())["pid"] for p in Path(log_dir).glob("workers/*.json")]
-
-    @staticmethod
-    def alive(pid: int) -> bool:
-        try:
-            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return False
+    worker_pids = staticmethod(registered_pids)
+    alive = staticmethod(alive)
 
     def nothing_left(self, log_dir: Path) -> None:
         """No worker of this run and no agent under the launch server is still running."""
-        from helpers._handles import LaunchServer
+        from helpers.launcher.processes import LaunchServer
 
         pids = self.worker_pids(log_dir)
         assert pids, "the run registered no workers"

@@ -18,7 +18,7 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from helpers import REPO_ROOT as ROOT
 
 
 def _busy(stop_at: float) -> None:

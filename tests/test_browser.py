@@ -23,9 +23,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import workshop
+from helpers import REPO_ROOT as ROOT
+from helpers.tools import workshop
 
-ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = os.environ.get("LESSONS_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
 playwright = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium found (apt-get install chromium)")
@@ -34,7 +34,7 @@ BUDGET_SECONDS = 360  # one lesson's Run All; nbval's budget is about 3 minutes 
 TICKER = ROOT / "tests" / "workers" / "ticker.py"
 WHOAMI = ROOT / "helpers" / "workers" / "whoami.py"
 TOKEN = "lessons-browser-test"
-EXPLORERS = ["allreduce_explorer(0.7e-3, 0.5e9, [1e3, 1e6], [0.8e-3, 2.7e-3])", "bucket_explorer(deep_mlp())",
+EXPLORERS = ["allreduce_explorer(0.7e-3, 0.5e9, [1e3, 1e6], [0.8e-3, 2.7e-3])", "bucket_explorer(mlp(256, 14))",
              "memory_explorer()", "pipeline_explorer()"]
 CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-sync",
                   "--disable-background-networking", "--disable-component-update"]
@@ -72,7 +72,7 @@ def lab_root(tmp_path_factory) -> Path:
         f"run = launch({str(WHOAMI)!r}, nproc=2)\nprint('whoami ranks', sorted(run.results))",
     ]
     (root / "notebooks" / "scratch.ipynb").write_text(json.dumps(_notebook(scratch)))
-    explorers = ["%matplotlib inline\nfrom helpers import explorers\nfrom helpers.dp import deep_mlp",
+    explorers = ["%matplotlib inline\nfrom helpers import explorers\nfrom helpers.models import mlp",
                  *[f"explorers.{call}" for call in EXPLORERS]]
     (root / "notebooks" / "explorers.ipynb").write_text(json.dumps(_notebook(explorers)))
     return root
@@ -206,7 +206,7 @@ def _job_processes(server: psutil.Process) -> set[int]:
     for kernel in _kernel_processes(server):
         for process in kernel.children(recursive=True):
             try:
-                if "helpers._server" not in " ".join(process.cmdline()) or process.ppid() != kernel.pid:
+                if "helpers.launcher.server" not in " ".join(process.cmdline()) or process.ppid() != kernel.pid:
                     pids.add(process.pid)
             except psutil.Error:
                 pass
@@ -242,16 +242,30 @@ def run_all(browser, lab, name: str) -> float:
     return seconds
 
 
-def test_run_all_lesson_00(browser, lab):
-    seconds = run_all(browser, lab, LESSONS[0])
-    print(f"\n{LESSONS[0]}: Run All took {seconds:.0f} s in JupyterLab")
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("name", LESSONS[1:])
+@pytest.mark.parametrize("name", LESSONS)
 def test_run_all_lesson(browser, lab, name):
     seconds = run_all(browser, lab, name)
     print(f"\n{name}: Run All took {seconds:.0f} s in JupyterLab")
+
+
+def test_a_link_to_a_worker_opens_the_worker_file(browser, lab):
+    """Lessons link to their workers as ../helpers/workers/NAME.py: with the server rooted at the repository (as
+    the README starts it), a click opens the file in JupyterLab."""
+    url, _ = lab
+    page = browser.new_page()
+    try:
+        page.goto(f"{url}/lab/tree/notebooks/02_ddp.ipynb?reset&token={TOKEN}")
+        link = page.locator(".jp-RenderedMarkdown a", has_text="ddp_launch_env.py").first
+        link.wait_for(timeout=120_000)
+        link.click()
+        page.wait_for_function("() => window.jupyterapp.shell.currentWidget.title.label === 'ddp_launch_env.py'",
+                               timeout=30_000)  # catches a 404 or a link that opens nothing
+        text = page.evaluate("() => window.jupyterapp.shell.currentWidget.content.model.sharedModel.getSource()")
+        assert "def main" in text or "import" in text, text[:200]
+    finally:
+        page.evaluate("() => window.jupyterapp.serviceManager.sessions.shutdownAll()")  # no dialog, unlike the menu
+        page.close()
 
 
 def test_live_output_interrupt_and_next_launch(browser, lab):
@@ -271,7 +285,7 @@ def test_live_output_interrupt_and_next_launch(browser, lab):
         errors = [o for o in state["cells"][0]["outputs"] if o["output_type"] == "error"]
         assert errors, "the interrupted cell should end in an error the learner sees"
         traceback = "\n".join(errors[0]["traceback"])
-        assert "helpers/launch.py" not in traceback and "helpers/_" not in traceback, traceback
+        assert "helpers/launcher/api.py" not in traceback and "helpers/_" not in traceback, traceback
         assert len(traceback.splitlines()) < 40, f"a wall of text for an interrupt:\n{traceback}"
         time.sleep(1)
         assert not _descendants_alive(workers), f"survived the interrupt: {_descendants_alive(workers)}"

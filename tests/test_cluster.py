@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import pytest
 
-from helpers import free_port, start, wait
+from helpers import REPO_ROOT, WORKERS, free_port, start, wait
 from helpers.cluster import (
     HAMI_SCHEDULER,
     KUEUE_QUEUE_LABEL,
@@ -15,7 +14,6 @@ from helpers.cluster import (
     check_slurm_script,
     dockerfile,
     indexed_job,
-    pinned,
     pytorch_job,
     slurm_script,
     train_job,
@@ -24,8 +22,9 @@ from helpers.cluster import (
     validate_train_job,
     write_job_files,
 )
+from helpers.system import pinned
 
-WHOAMI = Path(__file__).resolve().parent.parent / "helpers" / "workers" / "whoami.py"
+WHOAMI = WORKERS / "whoami.py"
 SHARED = JobSize(nodes=3, gpus_per_node=2, gpu_memory_mib=4000, gpu_cores_percent=25)
 IMAGE = "pytorch/pytorch:latest"
 
@@ -201,7 +200,7 @@ def test_dockerfile_pins_the_lessons_torch_and_copies_files_that_exist():
 
     text = dockerfile()
     assert f"torch=={pinned('torch')}" in text and torch.__version__.split("+")[0] == pinned("torch")
-    root = Path(__file__).resolve().parent.parent
+    root = REPO_ROOT
     for line in text.splitlines():
         if line.startswith("COPY "):
             assert (root / line.split()[1]).exists(), line

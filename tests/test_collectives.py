@@ -1,9 +1,11 @@
-"""Lesson 01's workers and helpers, with real launches at the smallest size that shows the behaviour."""
-from pathlib import Path
+"""Lesson 01's library (helpers.collectives) and the exercise's check. The collectives_* workers are launched, and
+asserted, by the lesson (notebooks/01_collectives.ipynb, under pytest --nbval); here only what the lesson does not
+check: the hand-written ring on one rank and on chunks of unequal size, and that the exercise's check says "Not yet"
+to a stub and to a deadlock."""
 
 import pytest
 
-from helpers import launch
+from helpers import WORKERS, launch
 from helpers.collectives import (
     bandwidth_rows,
     bus_factor,
@@ -13,30 +15,6 @@ from helpers.collectives import (
     owner,
     predict_allreduce_seconds,
 )
-
-WORKERS = Path(__file__).resolve().parent.parent / "helpers" / "workers"
-
-
-def test_tour_gives_every_collective_its_documented_result():
-    run = launch(WORKERS / "collectives_tour.py", nproc=2, echo=False)
-    seen = {rank: run.results[rank]["tensors"] for rank in (0, 1)}
-    assert seen[1]["send/recv"]["after"] == [1.0, 2.0, 3.0, 4.0]
-    assert seen[0]["isend/irecv"]["after"] == [11.0, 12.0, 13.0, 14.0]
-    assert seen[1]["broadcast"]["after"] == [1.0, 2.0, 3.0, 4.0]
-    assert seen[0]["reduce"]["after"] == [12.0, 14.0, 16.0, 18.0]
-    assert all(seen[r]["all_reduce"]["after"] == [12.0, 14.0, 16.0, 18.0] for r in (0, 1))
-    assert seen[0]["reduce_scatter"]["after"] == [12.0, 14.0]
-    assert seen[1]["reduce_scatter"]["after"] == [16.0, 18.0]
-    assert all(seen[r]["all_gather"]["after"] == [12.0, 14.0, 16.0, 18.0] for r in (0, 1))
-    assert [seen[r]["scatter"]["after"] for r in (0, 1)] == [[1.0, 2.0], [3.0, 4.0]]
-    assert seen[0]["gather"]["after"] == [1.0, 2.0, 3.0, 4.0, 11.0, 12.0, 13.0, 14.0]
-    assert seen[1]["gather"]["after"] == []  # only dst receives
-    assert [seen[r]["all_to_all"]["after"] for r in (0, 1)] == [[1.0, 2.0, 11.0, 12.0], [3.0, 4.0, 13.0, 14.0]]
-    assert all(seen[r]["all_reduce(async_op=True)"]["after"] == [12.0, 14.0, 16.0, 18.0] for r in (0, 1))
-    handle = run.results[0]["work_handle"]  # rank 0 is on time, rank 1 joins late
-    assert not handle["completed_at_return"] and handle["completed_after_wait"]
-    barrier = [run.results[r]["barrier"] for r in (0, 1)]
-    assert min(t["left"] for t in barrier) >= max(t["arrived"] for t in barrier)
 
 
 @pytest.mark.parametrize("nproc, numel", [(1, 3000), (3, 3001)])  # 3001: chunks of unequal size
@@ -49,14 +27,6 @@ def test_hand_written_ring_matches_all_reduce_and_sends_the_ring_share(nproc, nu
         assert abs(outcome["bytes_sent"] - share) <= 2 * (nproc - 1) * 4  # at most a float per step
         if outcome["ring_os_bytes"] is not None:  # Linux: the OS saw at least those bytes, plus headers
             assert share <= outcome["ring_os_bytes"] <= share + 1024 * max(nproc - 1, 0)
-
-
-def test_bandwidth_sweep_returns_one_time_per_size():
-    run = launch(WORKERS / "collectives_bandwidth.py", nproc=2, echo=False,
-                 args=["--min-bytes", 1024, "--max-bytes", 16384, "--repeats", 2])
-    assert run.results[0]["sizes"] == [1024, 4096, 16384]
-    assert len(run.results[0]["seconds"]) == 3 and all(t > 0 for t in run.results[0]["seconds"])
-    assert [row["bytes"] for row in run.metrics if row["rank"] == 1] == [1024, 4096, 16384]
 
 
 def test_exercise_check_accepts_the_solution_and_rejects_a_stub(tmp_path, capsys):
@@ -94,13 +64,7 @@ def test_bus_bandwidth_and_small_helpers():
 
 def test_exercise_check_reports_a_deadlock(tmp_path, capsys):
     stuck = tmp_path / "stuck.py"
-    stuck.write_text("import time\ntime.sleep(30)\n")
+    stuck.write_text("import time\nprint('ready', flush=True)\ntime.sleep(30)\n")
     assert not check_all_gather(stuck, nproc=1, timeout=3)
-    assert "deadlock" in capsys.readouterr().out
-
-
-def test_blocking_send_both_ways_waits_until_the_group_times_out():
-    run = launch(WORKERS / "collectives_deadlock.py", nproc=2, echo=False, args=["--timeout-seconds", 1])
-    outcomes = [run.results[rank]["outcome"] for rank in (0, 1)]
-    assert "completed" not in outcomes
-    assert any("Timed out waiting 1000ms for send operation to complete" in outcome for outcome in outcomes)
+    said = capsys.readouterr().out
+    assert "deadlock" in said and "rank 0: " in said and "stuck.py:3" in said, said  # says where the rank waits

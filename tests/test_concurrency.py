@@ -15,10 +15,13 @@ from pathlib import Path
 import psutil
 import pytest
 
+from helpers import WORKERS
+from helpers.launcher.run_folder import alive
+
 jupyter_client = pytest.importorskip("jupyter_client")
 pytestmark = pytest.mark.slow
 
-WHOAMI = Path(__file__).resolve().parent.parent / "helpers" / "workers" / "whoami.py"
+WHOAMI = WORKERS / "whoami.py"
 LEARNERS = 8
 LAUNCHES = 3
 LEARNER_CELL = f"""
@@ -68,14 +71,7 @@ def _room(folder: Path, learners: int) -> dict:
 
 
 def _alive(pids: list[int]) -> list[int]:
-    alive = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                alive.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return alive
+    return [pid for pid in pids if alive(pid)]
 
 
 def test_eight_learners_launch_at_once(tmp_path):

@@ -5,7 +5,7 @@ import signal
 
 import pytest
 
-from helpers._diagnosis import (
+from helpers.launcher.diagnosis import (
     NodeRecord,
     clean_traceback,
     diagnose_failure,
@@ -104,7 +104,7 @@ def test_a_silent_rank_shows_its_last_lines():
 def test_clean_traceback_drops_launcher_frames_and_machine_paths():
     text = ('Traceback (most recent call last):\n'
             '  File "/opt/py/lib/python3.11/runpy.py", line 291, in run_path\n    code\n'
-            '  File "/home/me/repo/helpers/_bootstrap.py", line 80, in run_script\n    runpy.run_path(script)\n'
+            '  File "/home/me/repo/helpers/launcher/bootstrap.py", line 80, in run_script\n    runpy.run_path(script)\n'
             '  File "/home/me/repo/train.py", line 9, in <module>\n    dist.all_reduce(t)\n'
             '  File "/home/me/.venv/lib/python3.11/site-packages/torch/distributed/c10d_logger.py", line 83\n'
             'ValueError: broke\n')
@@ -130,8 +130,9 @@ def dump(*threads: list[tuple[str, int, str]]) -> str:
 
 
 SCRIPT = "/repo/train.py"
-FORKED_BELOW = [("/repo/helpers/_bootstrap.py", 80, "run_script"), (f"{STDLIB}/runpy.py", 291, "run_path"),
-                ("/repo/helpers/_agent.py", 70, "run_agent"), ("/repo/helpers/_server.py", 50, "_start_agent")]
+FORKED_BELOW = [("/repo/helpers/launcher/bootstrap.py", 80, "run_script"), (f"{STDLIB}/runpy.py", 291, "run_path"),
+                ("/repo/helpers/launcher/agent.py", 70, "run_agent"),
+                ("/repo/helpers/launcher/server.py", 50, "_start_agent")]
 SOURCE = {(SCRIPT, 57): "        time.sleep(120)", (SCRIPT, 60): "    total = 0", (SCRIPT, 61): "x = y"}
 
 WHERE_RULES = [

@@ -1,28 +1,17 @@
-"""Lesson 03: DataParallel's CPU twin, the overlap measure, the exercise check, and the dp_vs_ddp_* workers."""
+"""Lesson 03's library (DataParallel's CPU twin, the overlap measure) and the exercise's check. The dp_vs_ddp_*
+workers are launched, and asserted, by the lesson (notebooks/03_dataparallel_vs_ddp.ipynb, under pytest --nbval);
+here only what the lesson does not check of them: the overlap worker's --profiled steps and their events."""
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from helpers import launch
-from helpers.checks import max_abs_diff
-from helpers.dp import (
-    NaiveDataParallel,
-    check_traffic,
-    intersect,
-    merge,
-    overlap,
-    replicate,
-    single_device_gradients,
-    subtract,
-    torch_replicate_on_cpu,
-)
+from helpers import WORKERS, launch
+from helpers.cpu_data_parallel import NaiveDataParallel, replicate, torch_replicate_on_cpu
+from helpers.dp_vs_ddp import check_traffic, intersect, merge, overlap, single_device_gradients, subtract
 from helpers.models import SimpleModel
-
-WORKERS = Path(__file__).resolve().parent.parent / "helpers" / "workers"
+from helpers.tensors import max_abs_diff
 
 
 @pytest.fixture(autouse=True)
@@ -141,51 +130,13 @@ def test_data_parallel_is_a_pass_through_without_gpus() -> None:
     assert wrapped.device_ids == [] and torch.equal(wrapped(images), model(images))
 
 
-def test_bucket_sweep_shows_the_first_bucket_and_the_rebuild() -> None:
-    run = launch(WORKERS / "dp_vs_ddp_buckets.py", nproc=2, args=["--caps", "default", "0.5", "25", "--steps", "3"],
-                 echo=False)
-    rows = {row["setting"]: row for row in run.results[0]["sweep"]}
-    assert all(row["first_step_buckets_mib"] == [4.29] for row in rows.values())
-    assert [rows[s]["calls_per_step"] for s in ("default", "0.5", "25")] == [2, 8, 1]
-    assert 1.0 <= rows["default"]["buckets_mib"][0] < 1.1
-    assert all(len(row["ddp_rebuilt_bucket_bytes"]) == row["calls_per_step"] for row in rows.values())
-    for rank in (0, 1):
-        assert [m["allreduce_calls_per_step"] for m in run.metrics if m["rank"] == rank] == [2, 8, 1]
-
-
-def test_no_sync_cuts_allreduce_calls_and_keeps_gradients() -> None:
-    run = launch(WORKERS / "dp_vs_ddp_no_sync.py", nproc=2, args=["--accumulate", "3", "--per-rank-batch", "2"],
-                 echo=False)
-    for rank in (0, 1):
-        res = run.results[rank]
-        assert (res["calls_every_backward"], res["calls_with_no_sync"]) == (3, 1)
-        assert res["diff_every_backward"] < 1e-6 and res["diff_with_no_sync"] < 1e-6
-
-
-def test_overlap_worker_returns_profiled_steps() -> None:
+def test_overlap_worker_returns_profiled_steps_with_every_kind_of_event() -> None:
+    """--profiled, which the lesson never passes; and events of all three kinds in every step (the lesson's control,
+    an overlap below 5% with one bucket, would also pass if no all-reduce were recorded: overlap() gives 0 then)."""
     run = launch(WORKERS / "dp_vs_ddp_overlap.py", nproc=2,
                  args=["--bucket-cap-mb", "1", "--per-rank-batch", "4", "--steps", "3", "--profiled", "2"], echo=False)
     res = run.results[0]
-    assert res["allreduce_calls"] == [4, 4] and len(res["steps"]) == 2
+    assert len(res["steps"]) == 2
     for events in res["steps"]:
         assert {e["kind"] for e in events} == {"backward", "all-reduce issued", "all-reduce running"}
         assert 0 <= overlap(events)["fraction"] <= 1
-
-
-def test_options_worker_measures_bucket_views_and_unused_parameters() -> None:
-    run = launch(WORKERS / "dp_vs_ddp_options.py", nproc=2, args=["--steps", "3", "--per-rank-batch", "4"], echo=False)
-    for rank in (0, 1):
-        res = run.results[rank]
-        assert res["default"]["grad_storages"] == res["default"]["parameters"] == 32
-        assert res["gradient_as_bucket_view"]["grad_storages"] == res["gradient_as_bucket_view"]["buckets"] == 2
-        assert res["unused_error"].startswith("Expected to have finished reduction")
-
-
-def test_speed_worker_modes_train_the_same_weights() -> None:
-    args = ["--global-batch", "8", "--steps", "3", "--depth", "3", "--width", "32"]
-    modes = {"ddp": 2, "dp": 1, "single": 1}
-    results = {mode: launch(WORKERS / "dp_vs_ddp_speed.py", nproc=nproc, args=["--mode", mode, *args],
-                            echo=False).results[0] for mode, nproc in modes.items()}
-    checksums = [res["abs_checksum"] for res in results.values()]
-    assert max(checksums) - min(checksums) < 1e-4 * max(checksums)
-    assert all(res["step_ms"] > 0 and len(res["step_ms_all"]) == 3 for res in results.values())

@@ -13,10 +13,11 @@ from pathlib import Path
 import psutil
 import pytest
 
+from helpers import REPO_ROOT as ROOT
 from helpers import LaunchInterrupted, LaunchTimeout, WorkerFailed, free_port, launch, start, wait
-from helpers._handles import LaunchServer
+from helpers.launcher.processes import LaunchServer
+from helpers.launcher.run_folder import rank_file, rank_log
 
-ROOT = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "workers"
 ALLREDUCE = ROOT / "helpers" / "workers" / "allreduce_demo.py"
 
@@ -31,8 +32,8 @@ def test_success_returns_logs_results_and_folder(processes):
     assert sorted(run.logs) == [0, 1]
     assert "after [10.0, 12.0, 14.0, 16.0]" in run.logs[1]
     assert run.results[0]["after"] == run.results[1]["after"] == [10.0, 12.0, 14.0, 16.0]
-    assert {p.name for p in run.log_dir.iterdir()} >= {"rank0.log", "rank1.log"}
-    assert "rank 1/2" in (run.log_dir / "rank1.log").read_text()
+    assert Path(rank_log(run.log_dir, 0)).is_file()
+    assert "rank 1/2" in Path(rank_log(run.log_dir, 1)).read_text()
     assert 0 < run.wall_time < 60
     processes.nothing_left(run.log_dir)
 
@@ -182,13 +183,14 @@ def _start_launching_process(tmp_path: Path, processes, worker: str = "sleeper.p
                              "fresh" if fresh else "fork"], cwd=tmp_path, stderr=subprocess.PIPE, text=True)
     run_dir = tmp_path / "the_run"
     deadline = time.monotonic() + 60
-    while len(processes.worker_pids(run_dir)) < 2 or any(ready not in _read(run_dir / f"rank{r}.log") for r in (0, 1)):
+    while len(processes.worker_pids(run_dir)) < 2 or any(ready not in _read(rank_log(run_dir, r)) for r in (0, 1)):
         assert time.monotonic() < deadline, "workers did not start"
         time.sleep(0.1)
     return proc, run_dir
 
 
-def _read(path: Path) -> str:
+def _read(path: str | Path) -> str:
+    path = Path(path)
     return path.read_text() if path.exists() else ""
 
 
@@ -223,7 +225,7 @@ def test_cell_magic_runs_the_cell_as_a_worker():
     shell.run_line_magic("load_ext", "helpers")
     shell.run_cell_magic("torchrun", "-n 2 --out magic_run -- 7", textwrap.dedent("""
         import os, sys
-        from helpers.worker import result
+        from helpers.reporting import result
         result(rank=int(os.environ["RANK"]), arg=sys.argv[1])
     """))
     run = shell.user_ns["magic_run"]
@@ -260,7 +262,7 @@ def test_a_notebook_shows_the_message_not_the_launchers_frames():
     shown = captured.stdout
     assert shown.splitlines()[0].endswith("rank 1 failed first, with exit code 1; no other rank is left running.")
     assert "WorkerFailed" in shown and "ValueError: rank 1 broke on purpose" in shown
-    assert "helpers/launch.py" not in shown and "helpers/_" not in shown
+    assert "helpers/launcher/api.py" not in shown and "helpers/_" not in shown
 
 
 def test_a_rank_killed_by_a_signal_is_blamed_not_the_peer_it_broke(processes):
@@ -284,13 +286,28 @@ def test_forked_workers_can_still_initialise_cuda():
 HANG = WORKERS / "hang_in_collective.py"
 RANK0_WHERE = "waiting in dist.all_reduce at hang_in_collective.py:15 (step 2)"
 RANK1_WHERE = "in time.sleep at hang_in_collective.py:17 (step 2)"
+# A timeout that starts once every rank has printed its readiness line ("hanging", "sleeping"): from that
+# print to the call it hangs in is a few bytecodes, so a second is ample even on 2 loaded cores. A timeout
+# counted from the start instead has to cover start-up too (10-20 s of margin, spent by every run).
+SETTLE = 1.0
+
+
+def _until_every_rank_says(jobs, line: str, ranks) -> None:
+    """Follow `jobs` until each of `ranks` has printed `line` (a worker's sign that it reached its hang)."""
+    deadline = time.monotonic() + 120
+    while not set(ranks) <= {rank for job in jobs for rank, lines in job.folder.lines.items() if line in lines}:
+        assert time.monotonic() < deadline, f"the workers did not all print {line!r}"
+        for job in jobs:
+            job.tick()
+        time.sleep(0.05)
 
 
 def test_timeout_says_where_every_rank_hangs(processes):
-    LaunchServer.get()  # its one-time start is not part of the timeout
+    job = start(HANG, nproc=2, echo=False)
+    _until_every_rank_says([job], "hanging", (0, 1))
     started = time.perf_counter()
     with pytest.raises(LaunchTimeout) as caught:
-        launch(HANG, nproc=2, timeout=10, echo=False)
+        wait([job], timeout=SETTLE)  # what launch(timeout=...) does after its start()
     elapsed = time.perf_counter() - started
     error = caught.value
     assert error.where == {0: RANK0_WHERE, 1: RANK1_WHERE}
@@ -299,18 +316,14 @@ def test_timeout_says_where_every_rank_hangs(processes):
     # the full stacks: the collective's own frame for rank 0, the learner's line for both
     assert "distributed_c10d.py" in error.stacks[0] and 'hang_in_collective.py", line 15' in error.stacks[0]
     assert 'hang_in_collective.py", line 17' in error.stacks[1]
-    assert (error.run.log_dir / "stacks" / "rank0-attempt0.txt").read_text().strip()
-    assert elapsed < 10 + 6, f"the diagnosis took {elapsed - 10:.1f} s past the timeout"
+    assert Path(rank_file(error.run.log_dir, "stacks", 0, 0)).read_text().strip()
+    assert elapsed < SETTLE + 6, f"the diagnosis took {elapsed - SETTLE:.1f} s past the timeout"
     processes.nothing_left(error.run.log_dir)
 
 
 def test_a_running_job_says_where_its_ranks_are(processes):
     job = start(HANG, nproc=2, echo=False)
-    deadline = time.monotonic() + 60
-    while not all("hanging" in job.folder.lines.get(rank, []) for rank in (0, 1)):
-        assert time.monotonic() < deadline, "workers did not reach the hang"
-        job.tick()
-        time.sleep(0.05)
+    _until_every_rank_says([job], "hanging", (0, 1))
     assert job.stacks() == {0: RANK0_WHERE, 1: RANK1_WHERE}
     assert job.agent.poll() is None, "asking for stacks must not stop the job"
     with pytest.raises(LaunchTimeout):
@@ -322,8 +335,9 @@ def test_a_timeout_of_two_nodes_says_where_all_four_ranks_are(processes):
     port = free_port()
     jobs = [start(HANG, nproc=2, nnodes=2, node_rank=node, rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id="hang",
                   echo=False) for node in (0, 1)]
+    _until_every_rank_says(jobs, "hanging", range(4))
     with pytest.raises(LaunchTimeout) as caught:
-        wait(jobs, timeout=15)
+        wait(jobs, timeout=SETTLE)
     sleeping = {rank: RANK1_WHERE for rank in (1, 2, 3)}  # the worker's else branch: every rank but 0
     assert caught.value.where == {0: RANK0_WHERE, **sleeping}
     assert all(f"rank {rank}: " in str(caught.value) for rank in range(4))
@@ -395,8 +409,10 @@ def test_fresh_mode_failure_and_timeout(processes):
         launch(WORKERS / "crash_in_collective.py", nproc=2, fresh=True, echo=False)
     assert caught.value.rank == 1 and "ValueError: rank 1 broke on purpose" in str(caught.value)
     processes.nothing_left(caught.value.run.log_dir)
+    job = start(SLEEPER, nproc=2, fresh=True, echo=False)
+    _until_every_rank_says([job], "sleeping", (0, 1))
     with pytest.raises(LaunchTimeout) as caught:
-        launch(SLEEPER, nproc=2, fresh=True, timeout=20, echo=False)
+        wait([job], timeout=SETTLE)
     assert caught.value.where == {rank: "in time.sleep at sleeper.py:9" for rank in (0, 1)}
     processes.nothing_left(caught.value.run.log_dir)
 
@@ -409,7 +425,7 @@ def test_fresh_mode_failure_and_timeout(processes):
     ("4", "3", 2, "3"),  # the caller's OMP_NUM_THREADS wins
 ])
 def test_workshop_cpu_budget_sets_threads_per_worker(monkeypatch, tmp_path, cpus, omp, nproc, expected):
-    from helpers._spec import worker_env
+    from helpers.launcher.spec import worker_env
 
     for name, value in (("LESSONS_CPUS", cpus), ("OMP_NUM_THREADS", omp)):
         if value is None:
@@ -433,15 +449,15 @@ def test_debug_names_mismatched_collectives():
     assert "Tensor shapes: 3vs 4" in str(caught.value) or "Tensor shapes: 4vs 3" in str(caught.value)
 
 
-def test_a_worker_importing_helpers_worker_pays_for_nothing_else():
-    code = ("import sys; from helpers.worker import result; "
+def test_a_worker_importing_helpers_reporting_pays_for_nothing_else():
+    code = ("import sys; from helpers.reporting import result; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('helpers', 'psutil', 'torch', 'IPython')))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert loaded.strip() == "['helpers', 'helpers._run_folder', 'helpers.worker']"
+    assert loaded.strip() == "['helpers', 'helpers.launcher', 'helpers.launcher.run_folder', 'helpers.reporting']"
 
 
 def test_echo_prints_labelled_lines_up_to_its_limit(capsys):
-    from helpers._display import Echo
+    from helpers.launcher.console import Echo
 
     echo = Echo(2, "runs/x/rank<N>.log")
     echo.show([(0, "stdout", "a"), (1, "stderr", "b"), (0, "stdout", "c")])

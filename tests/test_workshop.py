@@ -5,9 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from helpers import preflight, workshop
+from helpers import REPO_ROOT as ROOT
+from helpers.system import pinned
+from helpers.tools import preflight, workshop
 
-ROOT = Path(__file__).resolve().parent.parent
 CHECK_CALL = re.compile(r"\bcheck_\w+\(")
 
 
@@ -90,7 +91,7 @@ def test_solution_blocks_go_but_the_rest_of_the_cell_stays():
 
 
 def test_preflight_passes_here_and_launches(capsys):
-    assert preflight.main.__module__ == "helpers.preflight"
+    assert preflight.main.__module__ == "helpers.tools.preflight"
     status, text = preflight.check_launch()
     assert status == "OK", text  # a real 2-rank launch with an all_reduce
     assert preflight.check_loopback()[0] == "OK"
@@ -109,8 +110,9 @@ def test_preflight_says_what_to_fix(monkeypatch, capsys):
 def test_pinned_version_reads_requirements(tmp_path):
     requirements = tmp_path / "requirements.txt"
     requirements.write_text("numpy==2.4.6\ntorch==2.14.1  # CPU or GPU\n")
-    assert preflight.pinned_version("torch", requirements) == "2.14.1"
-    assert preflight.pinned_version("scipy", requirements) is None
+    assert pinned("torch", requirements) == "2.14.1"  # catches a comment read as part of the version
+    with pytest.raises(KeyError):
+        pinned("scipy", requirements)
 
 
 def test_every_lesson_in_the_student_copy_has_a_check_that_says_not_yet_on_the_starting_code(student_copy):
@@ -118,9 +120,17 @@ def test_every_lesson_in_the_student_copy_has_a_check_that_says_not_yet_on_the_s
     # starting code really gets; catches an exercise whose check passes (or crashes) before any work is done
     for name, notebook in _notebooks(student_copy).items():
         said = ["".join(o.get("text", "")) for cell in notebook["cells"] if cell["cell_type"] == "code"
-                and CHECK_CALL.search("".join(cell["source"])) and "NBVAL_IGNORE_OUTPUT" not in "".join(cell["source"])
+                and CHECK_CALL.search("".join(cell["source"]))
+                and "nbval-ignore-output" not in cell["metadata"].get("tags", [])
                 for o in cell.get("outputs", []) if o["output_type"] == "stream"]
         assert any(text.startswith("Not yet: ") for text in said), f"{name}: no check says Not yet: {said}"
+
+
+def test_the_student_copy_shows_no_test_harness_markers(student_copy):
+    # nbval reads cell tags (nbval-ignore-output, raises-exception); a "# NBVAL_..." comment is text a learner reads
+    marked = [(name, index) for name, notebook in _notebooks(student_copy).items()
+              for index, cell in enumerate(notebook["cells"]) if "NBVAL" in "".join(cell["source"])]
+    assert not marked, f"cells that show nbval markers to learners: {marked}"
 
 
 def test_every_file_a_lesson_writes_lands_in_a_folder_a_fresh_clone_has(student_copy):
@@ -138,7 +148,7 @@ def test_a_copy_outside_git_takes_the_same_files_as_git_would(monkeypatch):
     # a downloaded zip has no .git: the copy then walks the folders and applies .gitignore itself; catches a
     # fallback that copies run folders, caches or learners' exercise files, or drops tracked files
     patterns = workshop._ignore_patterns()
-    for ignored in ("notebooks/runs/20260101-000000-x/rank0.log", "helpers/__pycache__/launch.cpython-311.pyc",
+    for ignored in ("notebooks/runs/20260101-000000-x/any_file.txt", "helpers/__pycache__/launch.cpython-311.pyc",
                     "notebooks/my_all_gather.py", "notebooks/.ipynb_checkpoints/00-checkpoint.ipynb"):
         assert workshop._ignored(Path(ignored), patterns), ignored
     for kept in ("notebooks/00_start_here.ipynb", "helpers/workers/whoami.py", "binder/postBuild", "README.md"):
@@ -146,3 +156,14 @@ def test_a_copy_outside_git_takes_the_same_files_as_git_would(monkeypatch):
     with_git = workshop._tracked(workshop.LEARNER_FILES)
     monkeypatch.setenv("PATH", "")  # no git to run
     assert sorted(workshop._tracked(workshop.LEARNER_FILES)) == sorted(with_git)
+
+
+def test_preflight_notes_other_users_kernels_on_the_same_loopback():
+    kernel = ["python", "-m", "ipykernel_launcher", "-f", "k.json"]
+    processes = [{"username": "ana", "cmdline": kernel, "network": "net:[1]"},        # another learner, same net
+                 {"username": "ben", "cmdline": kernel, "network": "net:[2]"},        # own namespace: isolated
+                 {"username": "cho", "cmdline": kernel, "network": None},             # unreadable: may be shared
+                 {"username": "me", "cmdline": kernel, "network": "net:[1]"},         # my own kernel
+                 {"username": "dan", "cmdline": ["bash"], "network": "net:[1]"}]      # not a kernel
+    assert preflight.shared_kernels(processes, "me", "net:[1]") == ["ana", "cho"]
+    assert preflight.shared_kernels(processes[1:2], "me", "net:[1]") == []  # catches a check that ignores namespaces

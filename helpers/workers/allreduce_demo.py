@@ -9,7 +9,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from helpers.worker import result
+from helpers.reporting import result
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from helpers.data import load
 from helpers.distributed import init_distributed
 from helpers.models import build_model
-from helpers.worker import progress, report, result
+from helpers.reporting import progress, report, result
 
 
 def main() -> None:

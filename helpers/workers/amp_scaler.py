@@ -16,7 +16,7 @@ from torch.nn import functional as F
 
 from helpers.data import load
 from helpers.models import build_model
-from helpers.worker import progress, report, result
+from helpers.reporting import progress, report, result
 
 
 def main() -> None:

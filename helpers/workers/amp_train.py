@@ -2,11 +2,14 @@
 
     torchrun --standalone --nproc-per-node 1 helpers/workers/amp_train.py --precision bf16
     torchrun --standalone --nproc-per-node 1 helpers/workers/amp_train.py --precision fp16 --steps 200
+    python helpers/workers/amp_train.py --precision all --per-rank-batch 1024 --steps 60    # on a GPU
 
 Runs on the GPU when there is one, else on the CPU (one thread). Only the forward pass changes between
 precisions (torch.autocast); the weights, gradients and optimizer state stay fp32 throughout.
 fp16 needs a GradScaler (its range is narrow); bf16 has fp32's range and does not.
-`helpers/workers/amp_gpu_check.py` calls train() on a GPU for fp32, fp16 and (Ampere or newer) bf16.
+`--precision all` trains fp32, fp16 and bf16 one after another (on a GPU: bf16 only where the GPU has it
+natively, Ampere or newer; torch.cuda.is_bf16_supported() alone also says True where it is only emulated)
+and prints each one's speed relative to fp32.
 """
 import argparse
 import statistics
@@ -17,7 +20,7 @@ from torch.nn import functional as F
 
 from helpers.data import load
 from helpers.models import build_model
-from helpers.worker import progress, report, result
+from helpers.reporting import progress, report, result
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -64,9 +67,24 @@ def train(precision: str, model_name: str, steps: int, per_rank_batch: int, devi
                 peak_memory_mb=torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None)
 
 
+def compare(model_name: str, steps: int, per_rank_batch: int, device: torch.device) -> dict:
+    """Every precision this device runs natively, from the same seed, after a warm-up run."""
+    precisions = ["fp32", "fp16"]
+    if device.type == "cpu" or torch.cuda.is_bf16_supported(including_emulation=False):
+        precisions.append("bf16")
+    train("fp32", model_name, 5, per_rank_batch, device)  # warm-up: allocator, CUDA context, cuDNN autotuning
+    outcomes = {p: train(p, model_name, steps, per_rank_batch, device) for p in precisions}
+    for p, o in outcomes.items():
+        speedup = outcomes["fp32"]["ms_per_step"] / o["ms_per_step"]
+        memory = f", peak memory {o['peak_memory_mb']:.0f} MiB" if o["peak_memory_mb"] is not None else ""
+        print(f"{p} on {device.type}: {o['ms_per_step']:.2f} ms/step ({speedup:.2f}x fp32's speed){memory}, "
+              f"test accuracy {o['accuracy']:.3f}")
+    return outcomes
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--precision", choices=list(DTYPES), default="fp32")
+    parser.add_argument("--precision", choices=[*DTYPES, "all"], default="fp32")
     parser.add_argument("--model", default="cnn")
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps in total")
     parser.add_argument("--per-rank-batch", type=int, default=32)
@@ -75,6 +93,9 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu":
         torch.set_num_threads(1)  # one core per run: timings then compare on a shared 2-core machine
+    if args.precision == "all":
+        result(outcomes=compare(args.model, args.steps, args.per_rank_batch, device))
+        return
     outcome = train(args.precision, args.model, args.steps, args.per_rank_batch, device)
     print(f"{args.precision} on {device.type}: {outcome['ms_per_step']:.1f} ms/step, "
           f"test accuracy {outcome['accuracy']:.3f}")

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from helpers.distributed import init_distributed
-from helpers.worker import result
+from helpers.reporting import result
 
 
 def all_gather_by_hand(tensor: torch.Tensor) -> list[torch.Tensor]:

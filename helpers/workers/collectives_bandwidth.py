@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from helpers.distributed import init_distributed
-from helpers.worker import progress, report, result
+from helpers.reporting import progress, report, result
 
 
 def time_all_reduce(tensor: torch.Tensor, repeats: int) -> float:

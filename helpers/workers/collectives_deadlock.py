@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from helpers.distributed import init_distributed
-from helpers.worker import result
+from helpers.reporting import result
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from helpers.distributed import init_distributed
-from helpers.worker import result
+from helpers.reporting import result
 
 bytes_sent = 0  # counted by `exchange`, at the isend call itself
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from helpers.distributed import init_distributed
-from helpers.worker import result
+from helpers.reporting import result
 
 LATE_SECONDS = 0.3  # in the async demo the last rank joins this late, so nobody can finish before
 

@@ -10,7 +10,7 @@ import argparse
 import os
 import types
 
-from helpers.ddp import ARTICLE_FIXES, article_source
+from helpers.article import ARTICLE_FIXES, article_source
 
 
 def main() -> None:

@@ -19,9 +19,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 from helpers.data import load
-from helpers.ddp import flat, tensor_checksum
 from helpers.distributed import init_distributed
-from helpers.worker import result
+from helpers.reporting import result
+from helpers.tensors import flat, tensor_checksum
 
 MODES = {"BatchNorm, forward_sync_buffers=True": True, "BatchNorm, forward_sync_buffers=False": False,
          "SyncBatchNorm": True}

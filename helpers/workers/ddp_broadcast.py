@@ -10,10 +10,10 @@ which calls dist._broadcast_coalesced from src=0). With init_sync=False nothing 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from helpers.ddp import parameter_checksum
 from helpers.distributed import init_distributed
 from helpers.models import build_model
-from helpers.worker import result
+from helpers.reporting import result
+from helpers.tensors import parameter_checksum
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from helpers.distributed import init_distributed
-from helpers.worker import result
+from helpers.reporting import result
 
 CHUNKS, CHUNK = 8, b"x" * 4096  # the whole "data set": 32 KiB, written over about 0.4 s
 

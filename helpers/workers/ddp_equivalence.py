@@ -18,9 +18,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 from helpers.data import load
-from helpers.ddp import flat, parameter_checksum
 from helpers.models import build_model
-from helpers.worker import report, result
+from helpers.reporting import report, result
+from helpers.tensors import flat, parameter_checksum
 
 
 def main() -> None:

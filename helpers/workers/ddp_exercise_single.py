@@ -10,9 +10,9 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from helpers.data import load
-from helpers.ddp import flat
 from helpers.models import build_model
-from helpers.worker import result
+from helpers.reporting import result
+from helpers.tensors import flat
 
 GLOBAL_BATCH = 32
 

@@ -11,9 +11,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 from helpers.data import load
-from helpers.ddp import flat
 from helpers.models import build_model
-from helpers.worker import result
+from helpers.reporting import result
+from helpers.tensors import flat
 
 GLOBAL_BATCH = 32
 

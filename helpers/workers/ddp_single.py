@@ -15,9 +15,9 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from helpers.data import load
-from helpers.ddp import parameter_checksum
 from helpers.models import build_model
-from helpers.worker import progress, report, result
+from helpers.reporting import progress, report, result
+from helpers.tensors import parameter_checksum
 
 
 def parse_args() -> argparse.Namespace:

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from helpers.distributed import init_distributed
 from helpers.models import build_model
-from helpers.worker import result
+from helpers.reporting import result
 
 
 def block_median(model: nn.Module, batch: int, steps: int, warmup: int) -> float:

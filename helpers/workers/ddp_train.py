@@ -1,7 +1,7 @@
 """Train with DistributedDataParallel: the source article's tutorial, fixed and launchable.
 
     torchrun --standalone --nproc-per-node 2 helpers/workers/ddp_train.py --epochs 2
-    torchrun --standalone --nproc-per-node 2 helpers/workers/ddp_train.py --model cnn --checkpoint runs/ddp.pt
+    torchrun --standalone --nproc-per-node 2 helpers/workers/ddp_train.py --model cnn
     python helpers/workers/ddp_train.py --epochs 1        # one process works too
 
 torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and a free MASTER_PORT, so nothing is
@@ -14,7 +14,6 @@ import argparse
 import itertools
 import os
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -23,9 +22,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from helpers.data import load
-from helpers.ddp import parameter_checksum
 from helpers.models import build_model
-from helpers.worker import progress, report, result
+from helpers.reporting import progress, report, result
+from helpers.tensors import parameter_checksum
 
 
 def parse_args() -> argparse.Namespace:
@@ -36,7 +35,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--steps", type=int, default=0, help="stop after this many steps in total (0: all epochs)")
-    parser.add_argument("--checkpoint", default="", help="save here every epoch; resume from it if present")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
 
@@ -84,20 +82,13 @@ def main() -> None:
 
     model = DDP(build_model(args.model).to(device))  # DDP broadcasts rank 0's weights to every rank
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
-    start_epoch, step = 0, 0
-    checkpoint = Path(args.checkpoint) if args.checkpoint else None
-    if checkpoint and checkpoint.exists():  # every rank reads the same file onto its own device
-        state = torch.load(checkpoint, weights_only=True, map_location=device)
-        model.module.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        start_epoch, step = state["epoch"] + 1, state["step"]
     if rank == 0:
         print(f"{world_size} rank(s), backend {dist.get_backend()}, data: {source}, "
-              f"global batch {args.global_batch} = {world_size} x {per_rank_batch}, starting at epoch {start_epoch}")
+              f"global batch {args.global_batch} = {world_size} x {per_rank_batch}")
 
     total_steps = min(args.steps or args.epochs * len(loader), args.epochs * len(loader))
-    train_seconds, accuracy = 0.0, float("nan")
-    for epoch in range(start_epoch, args.epochs):
+    step, train_seconds, accuracy = 0, 0.0, float("nan")
+    for epoch in range(args.epochs):
         sampler.set_epoch(epoch)  # a new shuffle every epoch, the same one on every rank
         started = time.perf_counter()
         for images, labels in itertools.islice(loader, total_steps - step):
@@ -112,12 +103,6 @@ def main() -> None:
         accuracy = evaluate(model, device, rank, world_size)
         if rank == 0:
             print(f"epoch {epoch}: last loss {loss.item():.3f}, test accuracy {accuracy:.3f}")
-        if checkpoint and rank == 0:  # one writer; the others wait at the barrier
-            checkpoint.parent.mkdir(parents=True, exist_ok=True)
-            torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
-                        "epoch": epoch, "step": step}, checkpoint)
-        if checkpoint:
-            dist.barrier()  # nobody reads or resumes before the file is complete
         if step == total_steps:
             break
 

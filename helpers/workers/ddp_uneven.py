@@ -19,9 +19,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from helpers.ddp import parameter_checksum
 from helpers.models import build_model
-from helpers.worker import result
+from helpers.reporting import result
+from helpers.tensors import parameter_checksum
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from helpers.distributed import init_distributed
-from helpers.worker import report, result
+from helpers.reporting import report, result
 
 
 def parse_args() -> argparse.Namespace:

@@ -26,9 +26,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from helpers.debugging import checksums, diverged_tensors, nonfinite_ranks
 from helpers.distributed import init_distributed
-from helpers.worker import report, result
+from helpers.instruments import diverged_tensors, nonfinite_ranks
+from helpers.reporting import report, result
+from helpers.tensors import checksums
 
 NAN_RANK, NAN_STEP = 1, 5
 

@@ -18,35 +18,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DistributedSampler
 
-from helpers.debugging import nonfinite_ranks
 from helpers.distributed import init_distributed
-from helpers.worker import report, result
-
-STEPS, PER_RANK_BATCH, WORLD_SIZE, SHUFFLE_SEED = 10, 8, 2, 8
-
-
-def images() -> tuple[torch.Tensor, torch.Tensor]:
-    """The data set: random images of 16 numbers and 4 classes. One scan failed and came out blank."""
-    generator = torch.Generator().manual_seed(3)
-    x = torch.rand(STEPS * PER_RANK_BATCH * WORLD_SIZE, 16, generator=generator)
-    labels = torch.randint(0, 4, (len(x),), generator=generator)
-    x[37] = 0.0
-    return x, labels
-
-
-def order(rank: int) -> list[int]:
-    """The sample indices this rank trains on, in order (PER_RANK_BATCH per step)."""
-    sampler = DistributedSampler(range(len(images()[0])), num_replicas=WORLD_SIZE, rank=rank, seed=SHUFFLE_SEED)
-    return list(sampler)
-
-
-def planted() -> tuple[int, int]:
-    """(rank, step) of the blank image: the exercise check compares a learner's diagnosis with this."""
-    blank = int((images()[0].abs().sum(1) == 0).nonzero()[0])
-    rank = next(r for r in range(WORLD_SIZE) if blank in order(r))
-    return rank, order(rank).index(blank) // PER_RANK_BATCH + 1
+from helpers.instruments import nonfinite_ranks
+from helpers.mystery_data import PER_RANK_BATCH, STEPS, WORLD_SIZE, images, order
+from helpers.reporting import report, result
 
 
 class Classifier(nn.Module):

@@ -18,8 +18,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from helpers.distributed import init_distributed
-from helpers.dp import AllreduceCounter, counting_allreduce_hook, deep_mlp
-from helpers.worker import progress, report, result
+from helpers.instruments import AllreduceCounter, counting_allreduce_hook
+from helpers.models import mlp
+from helpers.reporting import progress, report, result
 
 MIB = 2**20
 
@@ -39,7 +40,7 @@ def sweep_one(cap: float | None, steps: int, images: torch.Tensor, labels: torch
     """Train `steps` steps with one bucket setting; return what DDP did in the first and in the later steps."""
     torch.manual_seed(0)
     options = {} if cap is None else {"bucket_cap_mb": cap}
-    model = DDP(deep_mlp().to(images.device), **options)
+    model = DDP(mlp(256, 14).to(images.device), **options)
     counter = AllreduceCounter()
     model.register_comm_hook(counter, counting_allreduce_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -83,7 +84,7 @@ def main() -> None:
             print(f"bucket_cap_mb={row['setting']}: step 1 {row['first_step_buckets_mib']} MiB, "
                   f"then {row['buckets_mib']} MiB, {row['step_ms']:.1f} ms per step")
         progress(index + 1, total=len(args.caps))
-    parameters = sum(p.numel() for p in deep_mlp().parameters())
+    parameters = sum(p.numel() for p in mlp(256, 14).parameters())
     if rank == 0:
         result(sweep=rows, parameters=parameters, world_size=world_size, device=device.type,
                per_rank_batch=args.per_rank_batch, first_bucket_bytes_default=dist._DEFAULT_FIRST_BUCKET_BYTES)

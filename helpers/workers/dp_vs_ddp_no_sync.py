@@ -13,10 +13,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from helpers.checks import max_abs_diff
 from helpers.distributed import init_distributed
-from helpers.dp import AllreduceCounter, counting_allreduce_hook, deep_mlp
-from helpers.worker import result
+from helpers.instruments import AllreduceCounter, counting_allreduce_hook
+from helpers.models import mlp
+from helpers.reporting import result
+from helpers.tensors import max_abs_diff
 
 
 def accumulate(model: DDP, batches: list[tuple[torch.Tensor, torch.Tensor]], use_no_sync: bool) -> list[torch.Tensor]:
@@ -48,7 +49,7 @@ def main() -> None:
     mine = [(all_images[rank, i], all_labels[rank, i]) for i in range(args.accumulate)]
 
     torch.manual_seed(0)
-    plain = deep_mlp(depth=4, width=64).to(device)
+    plain = mlp(64, 2).to(device)
     model = DDP(plain, bucket_cap_mb=25)
     counter = AllreduceCounter()
     model.register_comm_hook(counter, counting_allreduce_hook)

@@ -17,8 +17,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from helpers.distributed import init_distributed
-from helpers.dp import deep_mlp
-from helpers.worker import result
+from helpers.models import mlp
+from helpers.reporting import result
 
 SETTINGS = {
     "default": {},
@@ -81,7 +81,7 @@ def main() -> None:
 
     for name, options in SETTINGS.items():
         torch.manual_seed(0)
-        model = DDP(deep_mlp().to(device), **options)
+        model = DDP(mlp(256, 14).to(device), **options)
         step_ms = median_step_ms(model, images, labels, args.steps)
         grads = [p.grad for p in model.parameters()]
         storages = len({g.untyped_storage().data_ptr() for g in grads})

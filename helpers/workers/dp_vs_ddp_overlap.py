@@ -6,7 +6,7 @@ After `--steps` - `--profiled` settling steps (DDP rebuilds its buckets after th
 `--profiled` steps with torch.profiler and hands back, per step, the backward ops (on the training
 thread), the moments each bucket's all-reduce was issued (`c10d::allreduce_`, on the training thread) and
 the all-reduce running in the backend's own thread (`gloo:all_reduce`; with nccl, the CUDA kernel), as
-spans in microseconds from the start of that step's backward. helpers.dp.overlap measures them.
+spans in microseconds from the start of that step's backward. helpers.dp_vs_ddp.overlap measures them.
 gloo on CPU, nccl on GPUs; works with one process too.
 """
 import argparse
@@ -17,8 +17,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from helpers.distributed import init_distributed
-from helpers.dp import deep_mlp
-from helpers.worker import result
+from helpers.models import mlp
+from helpers.reporting import result
 
 # c10d's op is the call that hands a bucket to the backend; gloo/nccl events are the transfer itself.
 ISSUED, RUNNING = "c10d::allreduce_", ("gloo:all_reduce", "nccl:all_reduce", "ncclDevKernel_AllReduce")
@@ -65,7 +65,7 @@ def main() -> None:
     rank, _, device = init_distributed()
     torch.manual_seed(0)
     # No Python comm hook here: it would add Python work (and the GIL) inside the backward we measure.
-    model = DDP(deep_mlp().to(device), bucket_cap_mb=args.bucket_cap_mb)
+    model = DDP(mlp(256, 14).to(device), bucket_cap_mb=args.bucket_cap_mb)
     images = torch.rand(args.per_rank_batch, 1, 28, 28, device=device)
     labels = torch.randint(0, 10, (args.per_rank_batch,), device=device)
 

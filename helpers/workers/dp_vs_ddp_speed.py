@@ -7,7 +7,7 @@
 Every mode trains the same wide MLP (matrix multiplies dominate) for `--steps` steps on the same
 batches and times the steps after the first two:
 - ddp: one process per rank, one intra-op thread each, DistributedDataParallel, global-batch / world size per rank;
-- dp: one process; on CPU helpers.dp.NaiveDataParallel with `--devices` threads and one intra-op thread
+- dp: one process; on CPU helpers.cpu_data_parallel.NaiveDataParallel with `--devices` threads and one intra-op thread
   (so as many threads compute as DDP has processes); with 2+ GPUs, the real nn.DataParallel;
 - single: one process, no wrapper, `--threads` intra-op threads: what the same cores do without any DP.
 Each mode hands back its median step time and a checksum of the trained weights, which must agree.
@@ -20,9 +20,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from helpers.cpu_data_parallel import NaiveDataParallel
 from helpers.distributed import init_distributed
-from helpers.dp import NaiveDataParallel, deep_mlp
-from helpers.worker import result
+from helpers.models import mlp
+from helpers.reporting import result
 
 
 def batches(steps: int, global_batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -60,7 +61,7 @@ def main() -> None:
         device = torch.device("cuda:0")
     torch.set_num_threads(args.threads if args.mode == "single" else 1)
     torch.manual_seed(0)
-    model = deep_mlp(depth=args.depth, width=args.width).to(device)
+    model = mlp(args.width, args.depth - 2).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     loss_fn = nn.functional.cross_entropy
     data = batches(args.steps, args.global_batch)

@@ -31,7 +31,7 @@ from helpers.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_
 from helpers.data import load
 from helpers.distributed import init_distributed
 from helpers.models import SimpleModel
-from helpers.worker import progress, report, result
+from helpers.reporting import progress, report, result
 
 NOISE = 0.05  # augmentation noise: every rank draws its own, so every rank's RNG state matters on resume
 

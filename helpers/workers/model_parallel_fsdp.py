@@ -18,10 +18,10 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from helpers.checks import max_abs_diff
 from helpers.distributed import init_distributed
 from helpers.models import mlp
-from helpers.worker import report, result
+from helpers.reporting import report, result
+from helpers.tensors import max_abs_diff
 
 traffic: Counter = Counter()
 

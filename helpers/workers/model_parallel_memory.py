@@ -25,9 +25,10 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from helpers.distributed import init_distributed
-from helpers.model_parallel import SavedActivations, held_bytes
+from helpers.instruments import SavedActivations
 from helpers.models import mlp
-from helpers.worker import result
+from helpers.reporting import result
+from helpers.tensors import held_bytes
 
 
 def wrap(model: nn.Module, mode: str, device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -14,11 +14,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from helpers.checks import max_abs_diff
 from helpers.distributed import init_distributed
-from helpers.model_parallel import SimulatedWork, Stopwatch, split_stages
-from helpers.models import mlp
-from helpers.worker import report, result
+from helpers.instruments import SimulatedWork, Stopwatch
+from helpers.models import mlp, split_stages
+from helpers.reporting import report, result
+from helpers.tensors import max_abs_diff
 
 
 def main() -> None:

@@ -20,11 +20,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from helpers.checks import max_abs_diff
 from helpers.distributed import init_distributed
-from helpers.model_parallel import SavedActivations, SimulatedWork, Stopwatch, split_stages
-from helpers.models import mlp
-from helpers.worker import progress, result
+from helpers.instruments import SavedActivations, SimulatedWork, Stopwatch
+from helpers.models import mlp, split_stages
+from helpers.reporting import progress, result
+from helpers.tensors import max_abs_diff
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 

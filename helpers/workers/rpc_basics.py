@@ -13,7 +13,7 @@ import warnings
 import torch
 import torch.distributed.rpc as rpc
 
-from helpers.worker import result
+from helpers.reporting import result
 
 
 def whoami(x: torch.Tensor) -> str:

@@ -19,8 +19,8 @@ import torch.distributed.rpc as rpc
 import torch.nn.functional as F
 
 from helpers.models import SimpleModel
-from helpers.rpc_ps import accuracy, start_rpc, trainer_batches, worker_name
-from helpers.worker import progress, report, result
+from helpers.reporting import progress, report, result
+from helpers.rpc_training import accuracy, start_rpc, trainer_batches, worker_name
 
 _server = None
 _server_lock = threading.Lock()

@@ -14,7 +14,7 @@ import warnings
 
 import torch.distributed.rpc as rpc
 
-from helpers.worker import result
+from helpers.reporting import result
 
 
 class Counter:

@@ -23,8 +23,8 @@ from torch.distributed.optim import DistributedOptimizer
 from torch.func import functional_call
 
 from helpers.models import SimpleModel
-from helpers.rpc_ps import accuracy, start_rpc, trainer_batches, warnings_seen, worker_name
-from helpers.worker import progress, report, result
+from helpers.reporting import progress, report, result
+from helpers.rpc_training import accuracy, start_rpc, trainer_batches, warnings_seen, worker_name
 
 _server = None
 _server_lock = threading.Lock()

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from helpers.distributed import init_distributed
-from helpers.worker import result
+from helpers.reporting import result
 
 NAMES = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"]
 

@@ -1,6 +1,6 @@
-"""DataParallel opened up on CPU, and a DDP comm hook that counts all-reduce calls (taught in lesson 03).
+"""Our rebuild of DataParallel's algorithm on CPU (taught in lesson 03). Worker kit.
 
-    from helpers.dp import NaiveDataParallel, AllreduceCounter, counting_allreduce_hook
+    from helpers.cpu_data_parallel import NaiveDataParallel
     naive = NaiveDataParallel(model, num_devices=2)
     report = naive.train_step(images, labels, loss_fn, optimizer)   # report.phase_seconds, report.per_device
 
@@ -14,7 +14,6 @@ parallel_apply and gather refuse CPU tensors. NaiveDataParallel runs DataParalle
 their weights are non-leaf outputs of a Broadcast function, and the gradients reach the module's own
 parameters through Broadcast's backward, which sums them over the devices.
 """
-
 import sys
 import threading
 import time
@@ -24,16 +23,12 @@ from dataclasses import dataclass, field
 from unittest import mock
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from helpers.checks import correct, not_yet
+from helpers.tensors import nbytes
 
 PHASES = ("scatter", "replicate", "forward", "gather", "loss", "backward", "reduce", "step")
 
-
-# ---------------------------------------------------------------------------- DP's steps, one function each
 
 def scatter(batch: torch.Tensor, num_devices: int) -> list[torch.Tensor]:
     """Step 1: split the batch along dim 0, one chunk per device (DP copies each chunk to its GPU)."""
@@ -53,7 +48,7 @@ class Broadcast(torch.autograd.Function):
     def forward(ctx, log: dict, num_devices: int, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.log, ctx.num_devices, ctx.num_params = log, num_devices, len(params)
         copies = [p.clone() for _ in range(num_devices - 1) for p in params]
-        log["bytes_copied"] = _nbytes(copies)
+        log["bytes_copied"] = nbytes(copies)
         return (*params, *copies)
 
     @staticmethod
@@ -62,7 +57,7 @@ class Broadcast(torch.autograd.Function):
         per_device = [grads[d * k:(d + 1) * k] for d in range(ctx.num_devices)]
         summed = [torch.stack(same_param).sum(0) for same_param in zip(*per_device, strict=True)]
         ctx.log.update(reduce_thread=threading.current_thread().name, reduce_calls=ctx.log.get("reduce_calls", 0) + 1,
-                       devices_summed=len(per_device), bytes_from_other_devices=_nbytes(grads[k:]))
+                       devices_summed=len(per_device), bytes_from_other_devices=nbytes(grads[k:]))
         return (None, None, *summed)
 
 
@@ -138,10 +133,6 @@ def _nodes_until(node, stop: type) -> list:
         seen.append(current)
         todo += [child for child, _ in current.next_functions]
     return seen
-
-
-def _nbytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 @dataclass
@@ -242,8 +233,8 @@ class NaiveDataParallel:
             record["weights_are_leaves"] = sum(w.is_leaf for w in weights[device])
             record["weight_grad_fn"] = type(weights[device][0].grad_fn).__name__
             record["replica_parameters"] = len(list(replicas[device].parameters()))
-            record["weight_bytes"] = _nbytes(weights[device])
-            record["grad_bytes_computed"] = _nbytes(grads[device])
+            record["weight_bytes"] = nbytes(weights[device])
+            record["grad_bytes_computed"] = nbytes(grads[device])
             record["storages"] = {w.untyped_storage().data_ptr() for w in weights[device]}
             record["optimizer_holds"] = len(record["storages"] & held)
 
@@ -254,156 +245,7 @@ class NaiveDataParallel:
         state = {p.untyped_storage().data_ptr(): s for p, s in optimizer.state.items()}
         for device, record in enumerate(work):
             storages = record.pop("storages")
-            record["optimizer_state_bytes"] = sum(_nbytes([t for t in state[ptr].values() if torch.is_tensor(t)])
+            record["optimizer_state_bytes"] = sum(nbytes([t for t in state[ptr].values() if torch.is_tensor(t)])
                                                   for ptr in storages & set(state))
             record["weights_changed_by_step"] = sum(not torch.equal(b, w.detach())
                                                     for b, w in zip(before[device], weights[device], strict=True))
-
-def single_device_gradients(module: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
-                            loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
-    """The reference: plain forward/backward of the whole batch, gradients returned, module's .grad untouched."""
-    params = list(module.parameters())
-    return [g.clone() for g in torch.autograd.grad(loss_fn(module(inputs), targets), params)]
-
-
-def measured_traffic(module: nn.Module, num_devices: int, batch: int = 12) -> dict[str, int]:
-    """Bytes NaiveDataParallel moved between devices in one iteration: weights out, gradients back."""
-    generator = torch.Generator().manual_seed(0)
-    inputs = torch.rand(batch, 1, 28, 28, generator=generator)
-    targets = torch.randint(0, 10, (batch,), generator=generator)
-    optimizer = torch.optim.SGD(module.parameters(), lr=0.0)
-    report = NaiveDataParallel(module, num_devices, parallel=False, evidence=False).train_step(
-        inputs, targets, nn.functional.cross_entropy, optimizer)
-    return {"weights_out": report.reduce["bytes_copied"], "grads_back": report.reduce["bytes_from_other_devices"]}
-
-
-def check_traffic(traffic: Callable[[int, int], int]) -> bool:
-    """The exercise's check: does traffic(parameter_bytes, num_devices) give the bytes DP moves per iteration?"""
-    from helpers.models import SimpleModel
-
-    for build in (SimpleModel, deep_mlp):
-        model = build()
-        parameter_bytes = _nbytes(model.parameters())
-        for num_devices in (2, 3, 4):
-            moved = measured_traffic(model, num_devices)
-            try:
-                answer = traffic(parameter_bytes, num_devices)
-            except NotImplementedError:
-                return not_yet("traffic still raises NotImplementedError. Write its body.")
-            expected = moved["weights_out"] + moved["grads_back"]
-            if answer == expected:
-                continue
-            if answer == moved["weights_out"]:
-                return not_yet("that is only the weights going out; the gradients come back to device 0 too.")
-            if answer == expected * num_devices // (num_devices - 1):
-                return not_yet("device 0 keeps the module's own weights: nothing is copied to or from it.")
-            return not_yet(f"{build.__name__}, {num_devices} devices, {parameter_bytes:,} parameter bytes: "
-                           f"you said {answer:,}, the run moved {expected:,} bytes.")
-    return correct("weights out to every device but the first, gradients back from them: "
-                   "2 x (devices - 1) x parameter bytes per iteration, as the runs measured.")
-
-
-# ---------------------------------------------------------------------------- DDP: counting all-reduce calls
-
-def deep_mlp(depth: int = 16, width: int = 256, classes: int = 10) -> nn.Module:
-    """A model with many equal layers, so that gradient buckets have something to split."""
-    layers: list[nn.Module] = [nn.Flatten(), nn.Linear(28 * 28, width), nn.ReLU()]
-    for _ in range(depth - 2):
-        layers += [nn.Linear(width, width), nn.ReLU()]
-    layers.append(nn.Linear(width, classes))
-    return nn.Sequential(*layers)
-
-
-class AllreduceCounter:
-    """State for counting_allreduce_hook: how many all-reduce calls DDP made, and their sizes."""
-
-    def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
-        self.process_group = process_group
-        self.calls = 0
-        self.bucket_numels: list[int] = []
-
-    def reset(self) -> None:
-        self.calls, self.bucket_numels = 0, []
-
-
-def counting_allreduce_hook(state: AllreduceCounter, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP's default all-reduce (average over ranks), with one count per call: one call per bucket.
-
-    The annotations must be real types (no `from __future__ import annotations` in this file): DDP checks
-    them when the hook is registered.
-    """
-    state.calls += 1
-    state.bucket_numels.append(bucket.buffer().numel())
-    return default_hooks.allreduce_hook(state.process_group, bucket)
-
-
-# ---------------------------------------------------------------------------- DDP: overlap, measured
-
-Span = tuple[float, float]
-
-
-def merge(spans: Sequence[Span]) -> list[Span]:
-    """The union of time spans, as sorted spans that do not touch."""
-    merged: list[list[float]] = []
-    for start, end in sorted(spans):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return [(start, end) for start, end in merged]
-
-
-def intersect(first: Sequence[Span], second: Sequence[Span]) -> list[Span]:
-    """The time covered by both sets of spans."""
-    first, second = merge(first), merge(second)
-    both, i, j = [], 0, 0
-    while i < len(first) and j < len(second):
-        start, end = max(first[i][0], second[j][0]), min(first[i][1], second[j][1])
-        if start < end:
-            both.append((start, end))
-        i, j = (i + 1, j) if first[i][1] < second[j][1] else (i, j + 1)
-    return both
-
-
-def subtract(spans: Sequence[Span], holes: Sequence[Span]) -> list[Span]:
-    """The time in `spans` that is not in `holes`."""
-    left = []
-    for start, end in merge(spans):
-        for hole_start, hole_end in merge(holes):
-            if hole_end <= start or hole_start >= end:
-                continue
-            if hole_start > start:
-                left.append((start, hole_start))
-            start = max(start, hole_end)
-        if start < end:
-            left.append((start, end))
-    return left
-
-
-def total(spans: Sequence[Span]) -> float:
-    return sum(end - start for start, end in merge(spans))
-
-
-def overlap(events: Sequence[dict]) -> dict[str, float]:
-    """How much of one step's running all-reduce time falls inside backward compute (dp_vs_ddp_overlap events).
-
-    compute: the backward ops on the training thread, minus the all-reduce calls issued from inside them;
-    communication: the all-reduce running in the backend's thread (with gloo this includes waiting for the
-    other ranks). fraction = |communication and compute at the same time| / |communication|.
-    """
-    def spans(kind: str) -> list[Span]:
-        return [(e["start_us"], e["end_us"]) for e in events if e["kind"] == kind]
-
-    compute = subtract(spans("backward"), spans("all-reduce issued"))
-    communication = spans("all-reduce running")
-    backward_end = max(end for _, end in spans("backward"))
-    both = total(intersect(communication, compute))
-    comm = total(communication)
-    return {"communication_us": comm, "compute_us": total(compute), "overlap_us": both,
-            "fraction": both / comm if comm else 0.0, "backward_us": backward_end,
-            "communication_after_backward_us": total(subtract(communication, [(float("-inf"), backward_end)]))}
-
-
-def bucket_table(run) -> list[dict]:
-    """The bucket sweep of a dp_vs_ddp_buckets run as rows, one per setting, for tables and plots."""
-    return list(run.results[0]["sweep"])

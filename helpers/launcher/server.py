@@ -18,8 +18,8 @@ import signal
 import sys
 import traceback
 
-from helpers import _run_folder
-from helpers._run_folder import AGENT_DIED
+from helpers.launcher import run_folder
+from helpers.launcher.run_folder import AGENT_DIED
 
 agents: set[int] = set()
 
@@ -36,12 +36,12 @@ def _start_agent(spec: dict) -> int:
     code = AGENT_DIED
     try:
         os.setpgid(0, 0)
-        from helpers._agent import run_agent
-        from helpers._bootstrap import die_with_parent
+        from helpers.launcher.agent import run_agent
+        from helpers.launcher.bootstrap import die_with_parent
 
         die_with_parent()
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-        log = os.open(_run_folder.node_file(spec["run_dir"], "agent_log", spec["node_rank"]),
+        log = os.open(run_folder.node_file(spec["run_dir"], "agent_log", spec["node_rank"]),
                       os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         os.dup2(log, 1)
         os.dup2(log, 2)
@@ -92,13 +92,13 @@ def _preload() -> None:
 
 
 def main() -> None:
-    from helpers._bootstrap import die_with_parent
+    from helpers.launcher.bootstrap import die_with_parent
 
     die_with_parent(signal.SIGTERM)
     signal.signal(signal.SIGTERM, _kill_all)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the kernel handles interrupts and tells us
     _preload()
-    import helpers._agent  # noqa: F401
+    import helpers.launcher.agent  # noqa: F401
 
     _send({"ready": os.getpid()})
     buffer = b""

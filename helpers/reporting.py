@@ -1,13 +1,13 @@
 """Worker side: report metrics, progress and results back to the notebook that launched you.
 
-    from helpers.worker import report, progress, result
+    from helpers.reporting import report, progress, result
     report(step=i, loss=loss.item())      # one row of run.metrics
     progress(i + 1, total=steps)           # drives the progress bar in the notebook
     result(checksum=3.14, order=[2, 0])    # run.results[rank]["checksum"]
 
 Under `helpers.launch` these append JSON lines to files in the run folder. Under a plain terminal
 `torchrun` (no HELPERS_RUN_DIR in the environment) every call returns at once and costs nothing.
-This module imports neither torch nor the launcher: only the standard library and helpers._run_folder.
+This module imports neither torch nor the launcher: only the standard library and helpers.run_folder.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import os
 import time
 from typing import Any
 
-from helpers import _run_folder
+from helpers.launcher import run_folder
 
 _RUN_DIR = os.environ.get("HELPERS_RUN_DIR")
 _stream = None
@@ -43,7 +43,7 @@ def _emit(kind: str, fields: dict[str, Any]) -> None:
         return
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if _stream is None:
-        path = _run_folder.rank_file(_RUN_DIR, "events", _rank(), attempt)
+        path = run_folder.rank_file(_RUN_DIR, "events", _rank(), attempt)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         _stream = open(path, "a", buffering=1)
     record = {"kind": kind, "rank": _rank(), "attempt": attempt, "time": time.time(), **_plain(fields)}
@@ -65,6 +65,3 @@ def result(**values: Any) -> None:
     _emit("result", {"values": values})
 
 
-def is_launched_from_notebook() -> bool:
-    """True under helpers.launch, False under a plain terminal torchrun or python."""
-    return _RUN_DIR is not None

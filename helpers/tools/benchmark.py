@@ -1,7 +1,7 @@
 """How long a 2-rank gloo all_reduce job takes to launch: helpers.launch against a bare torchrun.
 
-    python -m helpers.benchmark            # 5 rounds, alternating, prints medians and the ratio
-    python -m helpers.benchmark --rounds 9 --fresh
+    python -m helpers.tools.benchmark            # 5 rounds, alternating, prints medians and the ratio
+    python -m helpers.tools.benchmark --rounds 9 --fresh
 
 Both run helpers/workers/allreduce_demo.py on the same machine in the same session, alternating so
 that background load hits both alike. The launch server's one-time start (import torch once) is
@@ -16,12 +16,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-from helpers._handles import LaunchServer
-from helpers.launch import launch
+from helpers import WORKERS
+from helpers.launcher.api import launch
+from helpers.launcher.processes import LaunchServer
 
-SCRIPT = Path(__file__).resolve().parent / "workers" / "allreduce_demo.py"
+SCRIPT = WORKERS / "allreduce_demo.py"
 
 def time_bare_torchrun() -> float:
     started = time.perf_counter()

@@ -1,4 +1,4 @@
-"""Small demonstrations the lessons run in the notebook kernel itself (not in workers)."""
+"""The source article's `mp.spawn` run from a notebook, and why it fails there (lessons 00 and 02)."""
 from __future__ import annotations
 
 import logging

@@ -13,7 +13,7 @@ import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from helpers._run_folder import node_file
+from helpers.launcher.run_folder import node_file, stacks_folder
 
 # What a rank says when a *peer* died: a symptom, never the root cause. A timeout is not in the list:
 # a rank that hangs never errors, so the rank whose collective timed out is the one to report.
@@ -67,7 +67,7 @@ def root_cause(failures: dict[int, dict], tracebacks: dict[int, dict], ranks: se
     return min(failures, key=lambda r: (failures[r]["exitcode"] == _SIGTERM, failures[r]["timestamp"], r))
 
 
-_SKIP_FRAME = re.compile(r'  File "[^"]*(runpy\.py|<frozen runpy>|helpers/_bootstrap\.py)".*\n(    .*\n)*')
+_SKIP_FRAME = re.compile(r'  File "[^"]*(runpy\.py|<frozen runpy>|helpers/launcher/bootstrap\.py)".*\n(    .*\n)*')
 
 
 def clean_traceback(text: str, bases: tuple[str, ...] = ()) -> str:
@@ -185,4 +185,4 @@ def hang_message(headline: str, where_by_rank: dict[int, str], logs: dict[int, s
                       for rank, text in sorted(logs.items()))
     return (f"{headline}.\nWhere each rank was:\n{places or '  (no rank was running)'}\n"
             f"Last line of each rank:\n{tails or '  (no output)'}\n"
-            f"Full stacks: {log_dir}/stacks/  Logs: {log_dir}/")
+            f"Full stacks: {stacks_folder(log_dir)}/  Logs: {log_dir}/")

@@ -1,7 +1,7 @@
 """Is this machine (or hub image) ready for the lessons? Checks it in well under a minute.
 
-    python -m helpers.preflight            # from the repository's root
-    python -m helpers.preflight --online   # also try to download MNIST (else the shipped digits are used)
+    python -m helpers.tools.preflight            # from the repository's root
+    python -m helpers.tools.preflight --online   # also try to download MNIST (else the shipped digits are used)
 
 Each line says OK, NOTE (works, but read this) or FIX (what to do). The exit status is 1 if anything
 needs fixing. Run it on the workshop image before the day, and once on one learner's session.
@@ -11,24 +11,24 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import re
 import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from helpers import REPO_ROOT as ROOT
+from helpers.system import pinned, usable_cores
+
 GIB = 1024**3
 
 
-def pinned_version(package: str, requirements: Path = ROOT / "requirements.txt") -> str | None:
-    """The exact version requirements.txt pins for `package`, or None."""
-    if not requirements.exists():
+def _pinned_or_none(package: str) -> str | None:
+    try:
+        return pinned(package)
+    except (KeyError, OSError):  # a copy without requirements.txt, or a package it does not pin
         return None
-    match = re.search(rf"^{re.escape(package)}==([^\s#]+)", requirements.read_text(), re.MULTILINE)
-    return match.group(1) if match else None
 
 
 def memory_limit_bytes() -> int:
@@ -46,18 +46,6 @@ def memory_limit_bytes() -> int:
     return available
 
 
-def usable_cores() -> int:
-    """Cores this process may run on, capped by a CPU quota (cgroup v2 cpu.max) where one is set."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    try:
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
-        if quota != "max":
-            cores = min(cores, max(1, int(quota) // int(period)))
-    except (OSError, ValueError):
-        pass
-    return cores
-
-
 def check_python() -> tuple[str, str]:
     version = platform.python_version()
     if sys.version_info < (3, 10):  # noqa: UP036 (this check exists for the machines that fail it)
@@ -70,7 +58,7 @@ def check_torch() -> tuple[str, str]:
         import torch
     except ImportError:
         return "FIX", "torch is not installed: pip install -r requirements.txt"
-    wanted = pinned_version("torch")
+    wanted = _pinned_or_none("torch")
     have = torch.__version__.split("+")[0]
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     where = f"{gpus} GPU(s): workers will use nccl" if gpus else "no GPU: workers use gloo on the CPU (expected)"
@@ -132,8 +120,44 @@ def check_data(online: bool) -> tuple[str, str]:
     train, _ = data.load(train=True)
     if source == data.DIGITS_NAME:
         return "NOTE", (f"lessons will use the shipped digits ({len(train)} training images); with internet, "
-                        f"`python -m helpers.preflight --online` downloads MNIST once into data/")
+                        f"`python -m helpers.tools.preflight --online` downloads MNIST once into data/")
     return "OK", f"{source}: {len(train)} training images"
+
+
+def shared_kernels(processes: Iterable[dict], me: str, my_network: str | None) -> list[str]:
+    """Other users' Jupyter kernels that share this network namespace (their jobs can reach ours, and ours theirs).
+
+    processes: dicts with `username`, `cmdline` (a list) and `network` (the /proc/PID/ns/net link, None where it
+    cannot be read, as for another user's process without root: then it may be shared, and counts)."""
+    return sorted({p["username"] for p in processes
+                   if p["username"] != me and any("ipykernel" in part for part in p["cmdline"] or [])
+                   and (p["network"] is None or p["network"] == my_network)})
+
+
+def _processes() -> Iterator[dict]:
+    import psutil
+
+    for process in psutil.process_iter(["username", "cmdline"]):
+        try:
+            network = os.readlink(f"/proc/{process.pid}/ns/net")
+        except OSError:
+            network = None
+        yield {**process.info, "network": network}
+
+
+def check_neighbours() -> tuple[str, str]:
+    import getpass
+
+    try:
+        mine = os.readlink("/proc/self/ns/net")
+    except OSError:
+        return "OK", "cannot see network namespaces here (not Linux): nothing to compare"
+    others = shared_kernels(_processes(), getpass.getuser(), mine)
+    if others:
+        return "NOTE", (f"Jupyter kernels of {len(others)} other user(s) share this machine's loopback: their jobs "
+                        "can reach this learner's (no authentication in torch.distributed); see docs/facilitator.md, "
+                        "'Isolation between learners'")
+    return "OK", "no other user's Jupyter kernel shares this network namespace"
 
 
 def check_launch() -> tuple[str, str]:
@@ -154,7 +178,7 @@ def main() -> int:
     args = parser.parse_args()
     checks: list[tuple[str, Callable[[], tuple[str, str]]]] = [
         ("python", check_python), ("torch", check_torch), ("cores", check_cores), ("memory", check_memory),
-        ("loopback", check_loopback), ("runs folder", check_runs_folder),
+        ("loopback", check_loopback), ("neighbours", check_neighbours), ("runs folder", check_runs_folder),
         ("data", lambda: check_data(args.online)), ("launch", check_launch),
     ]
     worst = "OK"

@@ -4,12 +4,12 @@
     run = launch("helpers/workers/allreduce_demo.py", nproc=2)
     run.logs[1], run.metrics, run.results[0], run.log_dir, run.wall_time
 
-Each launch starts one torchrun agent (PyTorch's elastic launcher, see helpers/_agent.py) which
+Each launch starts one torchrun agent (PyTorch's elastic launcher, see helpers/launcher/agent.py) which
 starts `nproc` workers with the usual RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
 By default the agent is forked from a launch server that has already imported torch (fast);
 ``fresh=True`` starts fresh interpreters instead, as a terminal torchrun does. While the job runs,
 every line of every rank is printed with its rank, a progress bar follows what workers report
-through helpers.worker, and a failure anywhere stops everything and raises WorkerFailed with the
+through helpers.reporting, and a failure anywhere stops everything and raises WorkerFailed with the
 failing rank's traceback. A timeout, or an interrupt of the cell, first asks every live rank for
 its Python stack and says where each one was stuck. Logs stay in the run folder afterwards.
 
@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from helpers import _diagnosis, _run_folder
-from helpers._display import Echo, Progress
-from helpers._handles import Agent, free_port, sleep_until_news
-from helpers._run_folder import REPO_ROOT, short_path
-from helpers._spec import build_spec, check_arguments, new_run_dir
+from helpers.launcher import diagnosis, run_folder
+from helpers.launcher.console import Echo, Progress
+from helpers.launcher.processes import Agent, LaunchServer, free_port, sleep_until_news
+from helpers.launcher.run_folder import REPO_ROOT, short_path
+from helpers.launcher.spec import build_spec, check_arguments, new_run_dir
 
 __all__ = ["Job", "LaunchInterrupted", "LaunchTimeout", "Run", "WorkerFailed", "free_port", "launch",
            "start", "wait"]
@@ -114,16 +114,9 @@ def launch(script: str | os.PathLike, nproc: int = 2, args: tuple | list = (),
     preloaded server on Linux). echo: print each rank's lines live (True), not at all (False), or at
     most this many lines. torchrun_options: nnodes, node_rank, rdzv_endpoint, ... (TORCHRUN_OPTIONS).
 
-    debug=True sets TORCH_DISTRIBUTED_DEBUG=DETAIL in the workers. On gloo (torch 2.14) that wraps
-    every process group in a checker (ProcessGroupWrapper, distributed_c10d.py) that compares each
-    collective's op, shapes and dtypes across ranks before running it, so mismatched collectives
-    fail at once with "Detected mismatch between collectives on ranks" instead of hanging or
-    failing with a lost connection. It costs a fingerprint exchange (a barrier and an all_gather on a
-    helper gloo group) before every collective. The Flight Recorder is not switched on: on gloo it records collectives
-    (TORCH_FR_BUFFER_SIZE) but writes no dump on a timeout and never marks an entry completed.
-    DETAIL also checks DDP's constructor, which crashed on CPU in lesson 08's runs; to have DDP's
-    unused-parameter error name the parameters, INFO is enough (reducer.cpp prints names at any level
-    but OFF): set os.environ["TORCH_DISTRIBUTED_DEBUG"] = "INFO" before launching, as lesson 08 does.
+    debug=True sets TORCH_DISTRIBUTED_DEBUG=DETAIL in the workers: before each collective the ranks compare
+    its op, shapes and dtypes (ProcessGroupWrapper, torch/distributed/distributed_c10d.py), so a mismatch
+    fails at once instead of hanging. Lesson 08 shows what it catches and what it costs.
     Raises WorkerFailed (a RuntimeError) naming the failing rank with its traceback.
     """
     __tracebackhide__ = True  # IPython shows the learner's cell and the error, not the launcher's frames
@@ -153,9 +146,14 @@ class Job:
         self.spec = spec
         self.run_dir = Path(spec["run_dir"])
         self.started, self.started_wall = time.perf_counter(), time.time()
-        self.folder = _run_folder.NodeFolder(self.run_dir, spec["node_rank"], spec["nproc"])
-        self.echo = Echo(echo, _run_folder.rank_log(short_path(self.run_dir), "<N>"))
+        self.folder = run_folder.NodeFolder(self.run_dir, spec["node_rank"], spec["nproc"])
+        self.echo = Echo(echo, run_folder.rank_log(short_path(self.run_dir), "<N>"))
+        if not spec["fresh"] and not LaunchServer.running():
+            self.echo.note("Starting this kernel's launch server: it imports torch once, so this first launch "
+                           "takes a while longer; later launches start at once.")
         self.agent = Agent(spec)
+        if self.agent.server_start:
+            self.echo.note(f"Launch server ready after {self.agent.server_start:.1f} s.")
 
     def tick(self) -> bool:
         """Read and show new output; return True when the agent has finished."""
@@ -190,9 +188,9 @@ class Job:
                    timings={"server_start": self.agent.server_start, **folder.timings(self.started_wall)},
                    attempts=folder.attempts())
 
-    def record(self, run: Run) -> _diagnosis.NodeRecord:
+    def record(self, run: Run) -> diagnosis.NodeRecord:
         folder = self.folder
-        return _diagnosis.NodeRecord(self.agent.code, folder.agent_outcome(), folder.failure_records(),
+        return diagnosis.NodeRecord(self.agent.code, folder.agent_outcome(), folder.failure_records(),
                                      set(folder.last_attempt()), run.logs, str(run.log_dir), folder.node)
 
 
@@ -210,7 +208,7 @@ def _ask_for_stacks(jobs: list[Job]) -> tuple[dict[int, str], dict[int, str]]:
         sizes = {rank: size for rank, size in job.folder.stack_sizes().items() if rank in live}
         for rank in sizes:
             try:
-                os.kill(live[rank], _run_folder.STACK_SIGNAL)
+                os.kill(live[rank], run_folder.STACK_SIGNAL)
             except ProcessLookupError:
                 pass
         asked[job] = sizes
@@ -227,7 +225,7 @@ def _ask_for_stacks(jobs: list[Job]) -> tuple[dict[int, str], dict[int, str]]:
     for job in jobs:
         steps = {row["rank"]: row["step"] for row in job.folder.metrics if row.get("step") is not None}
         for rank in asked[job]:
-            where[rank] = _diagnosis.where(stacks.get(rank, ""), job.spec["script"], _LIBRARY_DIRS, steps.get(rank))
+            where[rank] = diagnosis.where(stacks.get(rank, ""), job.spec["script"], _LIBRARY_DIRS, steps.get(rank))
     return where, stacks
 
 
@@ -274,7 +272,7 @@ def wait(jobs: list[Job], timeout: float | None = None) -> list[Run]:
         raise RuntimeError(f"the launch server died during the run, and its agents with it: every worker was "
                            f"stopped. Run the cell again (a new server starts). Logs: {runs[0].log_dir}/")
     if any(job.agent.code != 0 for job in jobs):
-        found = _diagnosis.diagnose_failure([job.record(run) for job, run in zip(jobs, runs, strict=True)],
+        found = diagnosis.diagnose_failure([job.record(run) for job, run in zip(jobs, runs, strict=True)],
                                             (str(Path.cwd()), str(REPO_ROOT)))
         run = next(run for job, run in zip(jobs, runs, strict=True) if job.folder.node == found.node)
         raise WorkerFailed(found.message, rank=found.rank, exitcode=found.exitcode, run=run)
@@ -299,7 +297,7 @@ def _hang_error(jobs: list[Job], headline: str, kind: type) -> BaseException:
         job.folder.collect(final=True)
     runs = [job.to_run() for job in jobs]
     logs = {rank: text for run in runs for rank, text in run.logs.items()}
-    message = _diagnosis.hang_message(headline, where, logs, str(runs[0].log_dir))
+    message = diagnosis.hang_message(headline, where, logs, str(runs[0].log_dir))
     if kind is LaunchInterrupted:
         return LaunchInterrupted(message, where, stacks, runs[0])
     return LaunchTimeout(message, runs[0], where, stacks)

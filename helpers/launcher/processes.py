@@ -2,7 +2,7 @@
 
 A torchrun agent runs in a process of its own, the leader of its process group, so that one signal
 reaches the agent and every worker it forked. By default the agent is forked by the launch server
-(helpers/_server.py), which has imported torch once; ``fresh`` agents are new interpreters, as a
+(helpers/launcher/server.py), which has imported torch once; ``fresh`` agents are new interpreters, as a
 terminal torchrun starts them.
 """
 from __future__ import annotations
@@ -15,9 +15,9 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-from helpers import _run_folder
+from helpers import REPO_ROOT
+from helpers.launcher import run_folder
 
 
 def free_port() -> int:
@@ -30,25 +30,29 @@ def free_port() -> int:
 def child_env() -> dict[str, str]:
     """The kernel's environment, plus the repository on PYTHONPATH and unbuffered output."""
     env = dict(os.environ)
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(REPO_ROOT)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 
 
 class LaunchServer:
-    """The kernel's handle on helpers/_server.py (started once, on first use)."""
+    """The kernel's handle on helpers/launcher/server.py (started once, on first use)."""
 
     instance: LaunchServer | None = None
 
     def __init__(self) -> None:
         started = time.perf_counter()
-        self.proc = subprocess.Popen([sys.executable, "-m", "helpers._server"], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-m", "helpers.launcher.server"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, start_new_session=True, env=child_env())
         self.buffer = b""
         self.exit_codes: dict[int, int] = {}
         self._read_until("ready", timeout=120)
         self.start_time = time.perf_counter() - started
+
+    @classmethod
+    def running(cls) -> bool:
+        return cls.instance is not None and cls.instance.proc.poll() is None
 
     @classmethod
     def get(cls) -> tuple[LaunchServer, float]:
@@ -100,10 +104,10 @@ class Agent:
         self.popen: subprocess.Popen | None = None
         self.server_start, self.server_lost, self._pidfd = 0.0, False, None
         if spec["fresh"]:
-            spec_path = _run_folder.node_file(run_dir, "spec", node)
-            _run_folder.write_json(spec_path, spec)
-            with open(_run_folder.node_file(run_dir, "agent_log", node), "ab") as log:
-                self.popen = subprocess.Popen([sys.executable, "-m", "helpers._agent", spec_path],
+            spec_path = run_folder.node_file(run_dir, "spec", node)
+            run_folder.write_json(spec_path, spec)
+            with open(run_folder.node_file(run_dir, "agent_log", node), "ab") as log:
+                self.popen = subprocess.Popen([sys.executable, "-m", "helpers.launcher.agent", spec_path],
                                               stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                               start_new_session=True, env=spec["env"], cwd=spec["cwd"])
             self.pid = self.popen.pid
@@ -130,7 +134,7 @@ class Agent:
             except RuntimeError:  # the server's pipe closed: it is exiting
                 pass
             self.server_lost = True
-            if not _run_folder.alive(self.pid):
+            if not run_folder.alive(self.pid):
                 self.code = -int(signal.SIGKILL)
         return self.code
 

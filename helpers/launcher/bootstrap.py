@@ -4,9 +4,9 @@ It ties the worker's life to its agent (so no worker outlives a dead launcher), 
 line-buffered (so the notebook sees it live), lets the launcher ask for its Python stacks (a hang
 becomes a diagnosis), tells the launcher which global rank this process is, records a precise
 failure time and traceback if the script raises, then runs the script as ``__main__`` exactly as
-``python script.py`` would. Standard library only (and helpers._run_folder).
+``python script.py`` would. Standard library only (and helpers.launcher.run_folder).
 
-Fresh-interpreter mode runs ``python -u -m helpers._bootstrap script.py args...``; fork mode calls
+Fresh-interpreter mode runs ``python -u -m helpers.launcher.bootstrap script.py args...``; fork mode calls
 :func:`run_forked_script` in a process forked from the agent (itself forked from the preloaded launch server).
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 import time
 import traceback
 
-from helpers import _run_folder
+from helpers.launcher import run_folder
 
 PR_SET_PDEATHSIG = 1
 
@@ -38,30 +38,26 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
 def _answer_stack_requests(run_dir: str, me: dict) -> None:
     """On STACK_SIGNAL, append every thread's Python stack to this rank's stacks file. faulthandler
     writes from a C signal handler, so it answers even while the script waits inside a collective."""
-    path = _run_folder.rank_file(run_dir, "stacks", me["rank"], me["attempt"])
+    path = run_folder.rank_file(run_dir, "stacks", me["rank"], me["attempt"])
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    faulthandler.register(_run_folder.STACK_SIGNAL, file=open(path, "w"), all_threads=True, chain=False)
+    faulthandler.register(run_folder.STACK_SIGNAL, file=open(path, "w"), all_threads=True, chain=False)
 
 
-def _wait_until_every_rank_is_forked(run_dir: str, me: dict, world_size: int, limit: float = 10.0) -> None:
-    """Fork mode: start the script only once every worker of this attempt has been forked.
+def _wait_until_every_rank_is_forked(run_dir: str, me: dict, local_world_size: int, limit: float = 10.0) -> None:
+    """Fork mode: start the script only once every worker of this agent's attempt has been forked.
 
     The agent forks its workers one after another while its TCPStore server thread already serves the
     ranks forked first. A fork copies a lock held by another thread in its held state: we caught a
     worker stuck for good in glibc's resolver lock (``__resolv_context_get`` under ``getnameinfo``,
     from c10d's ``formatSockAddr`` in ``TCPStore::TCPStore``), taken by the agent's store thread while
     it formatted an earlier rank's connection. Once no rank talks to the store before the last fork,
-    the agent's other threads hold no lock at fork time. Registrations are files in the run folder,
-    so ranks of several agents on this machine (multi-node demos) wait for each other too."""
-    folder = os.path.join(run_dir, "workers")
-    suffix = f"-attempt{me['attempt']}.json"
+    the agent's other threads hold no lock at fork time. The hazard is per agent, so each rank waits for
+    its own node's ranks only (counting the whole job's ranks made every rank of a two-node demo wait out
+    the limit, 10 s, since each node's agent has its own run folder)."""
     deadline = time.monotonic() + limit
     while time.monotonic() < deadline:
-        try:
-            if sum(name.endswith(suffix) for name in os.listdir(folder)) >= world_size:
-                return
-        except FileNotFoundError:
-            pass
+        if run_folder.registered_count(run_dir, me["attempt"], me["node"]) >= local_world_size:
+            return
         time.sleep(0.002)
 
 
@@ -84,13 +80,13 @@ def run_script(script: str, *args: str, forked: bool = False) -> None:
     if "torch.distributed" in sys.modules:
         sys.modules["torch.distributed"].set_debug_level_from_env()
     run_dir = os.environ.get("HELPERS_RUN_DIR")
-    me = _run_folder.identity()
+    me = run_folder.identity()
     if run_dir:
         _answer_stack_requests(run_dir, me)  # before registering: the launcher signals registered pids
-        _run_folder.write_json(_run_folder.rank_file(run_dir, "workers", me["rank"], me["attempt"]),
+        run_folder.write_json(run_folder.rank_file(run_dir, "workers", me["rank"], me["attempt"]),
                                {**me, "started": time.time()})
         if forked:
-            _wait_until_every_rank_is_forked(run_dir, me, int(os.environ.get("WORLD_SIZE", 1)))
+            _wait_until_every_rank_is_forked(run_dir, me, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     sys.argv = [script, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     try:
@@ -106,7 +102,7 @@ def run_script(script: str, *args: str, forked: bool = False) -> None:
 
 
 def _record_failure(run_dir: str, me: dict, text: str) -> None:
-    _run_folder.write_json(_run_folder.rank_file(run_dir, "failures", me["rank"], me["attempt"]),
+    run_folder.write_json(run_folder.rank_file(run_dir, "failures", me["rank"], me["attempt"]),
                            {**me, "time": time.time(), "traceback": text})
 
 

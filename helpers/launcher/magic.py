@@ -16,7 +16,7 @@ import argparse
 import shlex
 from pathlib import Path
 
-from helpers.launch import launch
+from helpers.launcher.api import launch
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -1,8 +1,8 @@
 """Learner and teacher copies of the course, from the one source in this repository.
 
-    python -m helpers.workshop student handout/              # solutions removed, outputs kept
-    python -m helpers.workshop student handout/ --clear-outputs
-    python -m helpers.workshop teacher teacher-copy/         # everything, solutions included
+    python -m helpers.tools.workshop student handout/              # solutions removed, outputs kept
+    python -m helpers.tools.workshop student handout/ --clear-outputs
+    python -m helpers.tools.workshop teacher teacher-copy/         # everything, solutions included
 
 A student copy keeps every lesson, every exercise's starting code and every check, and removes:
 - cells tagged `solution`, and the solution blocks (`<details><summary>Solution</summary> ... </details>`);
@@ -21,7 +21,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from helpers import REPO_ROOT as ROOT
+
 LEARNER_FILES = ("README.md", "requirements.txt", "pyproject.toml", "binder", "helpers", "notebooks")
 SOLUTION_FILE = re.compile(r"[\w/.-]*_solution\.py")
 DETAILS = re.compile(r"<details>\s*<summary>\s*Solution.*?</details>\s*", re.IGNORECASE | re.DOTALL)

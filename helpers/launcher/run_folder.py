@@ -8,7 +8,7 @@ attempt is torchrun's restart count::
     elastic_node{N}/<run id>/attempt_{A}/{local rank}/std{out,err}.log    torchrun's own worker logs
     workers/rank{R}-attempt{A}.json       the bootstrap's registration: pid, node, local rank, start time
     failures/rank{R}-attempt{A}.json      an uncaught exception: exact time and traceback
-    events/rank{R}-attempt{A}.jsonl       helpers.worker's metrics, progress and results
+    events/rank{R}-attempt{A}.jsonl       helpers.reporting's metrics, progress and results
     stacks/rank{R}-attempt{A}.txt         Python stacks, dumped by faulthandler on STACK_SIGNAL
     spec_node{N}.json, agent_node{N}.log, agent_result_node{N}.json       the torchrun agent of node N
 """
@@ -24,12 +24,13 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-# The agent's exit codes (helpers/_agent.py); a negative code is the signal that killed it.
+from helpers import REPO_ROOT
+
+# The agent's exit codes (helpers/launcher/agent.py); a negative code is the signal that killed it.
 AGENT_OK, AGENT_WORKERS_FAILED, AGENT_ERROR, AGENT_DIED = 0, 1, 2, 3
 # The signal that makes a worker write its Python stacks (faulthandler, installed by the bootstrap).
 STACK_SIGNAL = getattr(signal, "SIGUSR1", None)
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 _EXTENSIONS = {"workers": "json", "failures": "json", "events": "jsonl", "stacks": "txt"}
 _TORCHRUN_LOG = re.compile(r"attempt_(\d+)[/\\](\d+)[/\\](stdout|stderr)\.log$")
 
@@ -37,6 +38,11 @@ _TORCHRUN_LOG = re.compile(r"attempt_(\d+)[/\\](\d+)[/\\](stdout|stderr)\.log$")
 def rank_file(run_dir: str | os.PathLike, kind: str, rank: int, attempt: int) -> str:
     """The per-rank file of one kind: workers, failures, events or stacks."""
     return os.path.join(run_dir, kind, f"rank{rank}-attempt{attempt}.{_EXTENSIONS[kind]}")
+
+
+def stacks_folder(run_dir: str | os.PathLike) -> str:
+    """Where the workers' Python stacks are dumped (one file per rank and attempt)."""
+    return os.path.join(run_dir, "stacks")
 
 
 def rank_log(run_dir: str | os.PathLike, rank: int | str) -> str:
@@ -88,6 +94,26 @@ def identity() -> dict:
         "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
         "pid": os.getpid(),
     }
+
+
+def registered_count(run_dir: str | os.PathLike, attempt: int, node: int) -> int:
+    """How many workers of this node's agent have registered for this attempt so far."""
+    paths = Path(run_dir, "workers").glob(f"rank*-attempt{attempt}.json")
+    return sum(read_json(path, {}).get("node") == node for path in paths)
+
+
+def registered_pids(run_dir: str | os.PathLike) -> list[int]:
+    """The pid of every worker the run registered, any rank and attempt (for checks that nothing is left)."""
+    return [read_json(path)["pid"] for path in sorted(Path(run_dir, "workers").glob("rank*-attempt*.json"))]
+
+
+def tracebacks(run_dir: str | os.PathLike) -> dict[int, str]:
+    """Every rank's own traceback, as its bootstrap recorded it (the last attempt of each rank wins)."""
+    found = {}
+    for path in sorted(Path(run_dir, "failures").glob("rank*-attempt*.json")):
+        record = read_json(path)
+        found[int(record["rank"])] = record["traceback"]
+    return found
 
 
 def alive(pid: int) -> bool:

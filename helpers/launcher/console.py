@@ -1,6 +1,6 @@
 """The launcher's console: labelled, coloured lines of each rank, and a progress bar. It only prints.
 
-The lines come from the run folder (helpers/_run_folder.py), complete, so they are never torn.
+The lines come from the run folder (helpers/run_folder.py), complete, so they are never torn.
 """
 from __future__ import annotations
 
@@ -19,6 +19,11 @@ class Echo:
     def __init__(self, echo: bool | int, rank_logs: str) -> None:
         self.limit = (10**12 if echo is True else int(echo)) if echo else 0
         self.shown, self.rank_logs = 0, rank_logs
+
+    def note(self, text: str) -> None:
+        """A line from the launcher itself (not from a rank), shown only when output is echoed."""
+        if self.limit:
+            print(text, flush=True)
 
     def show(self, lines: list[tuple[int, str, str]]) -> None:
         if self.shown >= self.limit or not lines:

@@ -1,13 +1,13 @@
 """One torchrun agent: PyTorch's own elastic launcher, driven from a launch spec.
 
 The launcher runs this in a process of its own (forked from the preloaded launch server, or a fresh
-``python -m helpers._agent spec.json``). The options are parsed by torchrun's own argument parser and
+``python -m helpers.launcher.agent spec.json``). The options are parsed by torchrun's own argument parser and
 turned into a LaunchConfig by torchrun's own ``config_from_args``, so workers see exactly the
 environment a terminal ``torchrun`` gives them. Only the entry point differs: workers start in
-:mod:`helpers._bootstrap`, forked from this process (fast) or as fresh interpreters.
+:mod:`helpers.launcher.bootstrap`, forked from this process (fast) or as fresh interpreters.
 
-Writes the agent's result file into the run folder (helpers/_run_folder.py): success, or every failed
-rank with its exit code. Its own exit code is one of _run_folder's AGENT_* codes.
+Writes the agent's result file into the run folder (helpers/run_folder.py): success, or every failed
+rank with its exit code. Its own exit code is one of run_folder's AGENT_* codes.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import logging
 import sys
 import traceback
 
-from helpers import _run_folder
+from helpers.launcher import run_folder
 
 
 def _torchrun_argv(spec: dict) -> list[str]:
@@ -61,34 +61,34 @@ def run_agent(spec: dict) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    from helpers._bootstrap import run_forked_script
+    from helpers.launcher.bootstrap import run_forked_script
 
     # Elastic logs each failed worker with logger.exception, whose formatting takes ~3 s here
     # (it walks and imports modules); the launcher reports failures from its own records instead.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
-    result_path = _run_folder.node_file(spec["run_dir"], "agent_result", spec["node_rank"])
+    result_path = run_folder.node_file(spec["run_dir"], "agent_result", spec["node_rank"])
     args = torchrun.get_args_parser().parse_args(_torchrun_argv(spec))
     config = _config_without_touching_cuda(torchrun, args)
     script_and_args = [spec["script"], *spec["args"]]
     if spec["fresh"]:
-        entrypoint, entry_args = sys.executable, ["-u", "-m", "helpers._bootstrap", *script_and_args]
+        entrypoint, entry_args = sys.executable, ["-u", "-m", "helpers.launcher.bootstrap", *script_and_args]
     else:
         entrypoint, entry_args = run_forked_script, script_and_args
     try:
         elastic_launch(config, entrypoint)(*entry_args)
-        outcome, code = {"ok": True}, _run_folder.AGENT_OK
+        outcome, code = {"ok": True}, run_folder.AGENT_OK
     except ChildFailedError as error:
-        outcome, code = {"ok": False, "failures": _failures(error)}, _run_folder.AGENT_WORKERS_FAILED
+        outcome, code = {"ok": False, "failures": _failures(error)}, run_folder.AGENT_WORKERS_FAILED
     except Exception:
-        outcome, code = {"ok": False, "agent_error": traceback.format_exc()}, _run_folder.AGENT_ERROR
-    _run_folder.write_json(result_path, outcome)
+        outcome, code = {"ok": False, "agent_error": traceback.format_exc()}, run_folder.AGENT_ERROR
+    run_folder.write_json(result_path, outcome)
     return code
 
 
 def main() -> None:
     with open(sys.argv[1]) as f:
         spec = json.load(f)
-    from helpers._bootstrap import die_with_parent
+    from helpers.launcher.bootstrap import die_with_parent
 
     die_with_parent()
     sys.exit(run_agent(spec))

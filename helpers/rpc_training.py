@@ -1,12 +1,11 @@
-"""Shared pieces of lesson 05 (RPC): names by rank, RPC start-up from torchrun's environment, data, evaluation.
+"""Lesson 05's shared worker pieces (RPC): names by rank, RPC start-up from torchrun's environment, data. Worker kit.
 
-    from helpers.rpc_ps import start_rpc, worker_name, trainer_batches, accuracy, warnings_seen
+    from helpers.rpc_training import accuracy, start_rpc, trainer_batches, warnings_seen, worker_name
     rank, world_size = start_rpc()          # rank 0 is "ps", the others "trainer1", "trainer2", ...
-    check_counter("my_counter.py")          # the exercise's check: prints "Correct: ..." or "Not yet: ..."
 
 Taught in notebooks/05_rpc.ipynb. The functions that peers call remotely live in the worker scripts
 themselves (helpers/workers/rpc_*.py): a script runs as ``__main__`` on every rank, so the name
-``__main__.ParameterServer`` means the same class everywhere.
+``__main__.ParameterServer`` means the same class everywhere. The exercise's check is in helpers/rpc.py.
 """
 from __future__ import annotations
 
@@ -18,7 +17,6 @@ import torch
 import torch.distributed.rpc as rpc
 from torch import nn
 
-from helpers._run_folder import alive as is_alive  # noqa: F401  (lesson 05 imports it from here)
 from helpers.data import load
 
 
@@ -83,28 +81,3 @@ def accuracy(model: nn.Module, limit: int | None = 2000) -> float:
     return (model(images).argmax(dim=1) == labels).float().mean().item()
 
 
-SERIAL_SECONDS = 0.6  # ten add() calls one after another take at least 10 x 0.1 s; at once, about 0.1 + 10 x 0.01 s
-
-
-def check_counter(script: str) -> bool:
-    """The exercise's check: launch `script` on 2 processes and say what is right, or what is still wrong."""
-    from helpers.checks import correct, not_yet
-    from helpers.launch import launch
-
-    got = launch(script, nproc=2, echo=False, timeout=60).results.get(0, {})
-    count, owner, partial, seconds = (got.get(key) for key in ("count", "owner", "partial_counts", "seconds"))
-    problems = []
-    if owner != "worker1":
-        problems.append(f"the counter lives on {owner!r}: create it on worker1 with rpc.remote and call it "
-                        "through the RRef")
-    if seconds is None or seconds > SERIAL_SECONDS:
-        problems.append(f"the ten add() calls took more than {SERIAL_SECONDS} s, so they ran one after another: "
-                        "send all ten with counter.rpc_async().add(1), then wait for the futures")
-    if count != 10 or partial != list(range(1, 11)):
-        problems.append(f"the count is {count!r} and the ten add() calls returned {partial!r}, not 1..10: calls "
-                        "running at once overwrote each other's update; guard add()'s read and write with a "
-                        "threading.Lock")
-    if problems:
-        return not_yet("; ".join(problems) + ".")
-    return correct(f"the counter lives on worker1; ten add() calls ran there at once (in less than "
-                   f"{SERIAL_SECONDS} s), and the lock kept every update: they returned 1..10 and the total is 10.")

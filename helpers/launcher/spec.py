@@ -1,6 +1,6 @@
 """What a launch asks for, checked, and turned into a spec: everything an agent needs, as plain JSON.
 
-The spec may travel to a fresh interpreter (``python -m helpers._agent spec.json``), so it holds only
+The spec may travel to a fresh interpreter (``python -m helpers.launcher.agent spec.json``), so it holds only
 strings, numbers and lists: the script and its arguments, torchrun's options, the run folder, and the
 workers' environment.
 """
@@ -11,9 +11,9 @@ import time
 import uuid
 from pathlib import Path
 
-from helpers import _run_folder
-from helpers._handles import child_env
-from helpers._run_folder import short_path
+from helpers.launcher import run_folder
+from helpers.launcher.processes import child_env
+from helpers.launcher.run_folder import short_path
 
 # Python-side names of the torchrun options that pass through (see `torchrun --help`).
 TORCHRUN_OPTIONS = {
@@ -86,6 +86,6 @@ def build_spec(script: Path, nproc: int, args: tuple, max_restarts: int, options
     return {"script": str(script), "args": [str(a) for a in args], "nproc": nproc,
             "max_restarts": max_restarts, "torchrun_argv": torchrun_argv(options),
             "run_dir": str(run_dir), "node_rank": node,
-            "elastic_log_dir": _run_folder.node_file(run_dir, "elastic", node),
+            "elastic_log_dir": run_folder.node_file(run_dir, "elastic", node),
             "fresh": fresh, "stop_grace": stop_grace, "monitor_interval": 0.05,
             "env": worker_env(run_dir, node, nproc, debug), "cwd": os.getcwd()}

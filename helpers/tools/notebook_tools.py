@@ -1,0 +1,71 @@
+"""Maintainers' tool: run a lesson top to bottom in a fresh kernel, store it in place, drop machine paths.
+
+    python -m helpers.tools.notebook_tools notebooks/02_ddp.ipynb [more.ipynb ...]
+    python -m helpers.tools.notebook_tools --no-store notebooks/02_ddp.ipynb    # run only (helpers.tools.sizing)
+
+The one way the project executes a notebook: as JupyterLab's Run All does, cell by cell in one fresh kernel
+started in the notebook's folder, going on past errors (cells tagged `raises-exception` are meant to raise).
+It exits 1 when any other cell raised. Storing sets LESSONS_DATA=digits, so that the stored outputs match
+what `pytest --nbval` computes. IPython prints the frame that raised with its absolute path; nbval never
+compares tracebacks, so rewriting them to repository-relative paths changes no checked output.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from helpers import REPO_ROOT
+
+
+def execute(notebook: Path, store: bool = True) -> list[str]:
+    """Run the notebook; store it in place if `store`. Returns the names of unexpected errors, by cell."""
+    import nbclient
+    import nbformat
+
+    if store:
+        os.environ["LESSONS_DATA"] = "digits"  # the kernel inherits this process's environment
+    cells = nbformat.read(notebook, as_version=4)
+    nbclient.NotebookClient(cells, timeout=900, kernel_name="python3", allow_errors=True,
+                            resources={"metadata": {"path": str(notebook.parent)}}).execute()
+    errors = [f"cell {i}: {output.get('ename')}" for i, cell in enumerate(cells.cells) if cell.cell_type == "code"
+              for output in cell.get("outputs", []) if output.get("output_type") == "error"
+              and "raises-exception" not in cell.metadata.get("tags", [])]
+    if store:
+        nbformat.write(cells, notebook)
+        strip_traceback_paths(notebook)
+    return errors
+
+
+def strip_traceback_paths(notebook: Path) -> int:
+    """Rewrite absolute paths under the repository in stored tracebacks; return how many lines changed."""
+    data = json.loads(notebook.read_text())
+    prefix, changed = f"{REPO_ROOT}{os.sep}", 0
+    for cell in data["cells"]:
+        for output in cell.get("outputs", []):
+            lines = output.get("traceback", [])
+            for i, line in enumerate(lines):
+                if prefix in line:
+                    lines[i], changed = line.replace(prefix, ""), changed + 1
+    notebook.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
+    return changed
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("notebooks", nargs="+", type=Path)
+    parser.add_argument("--no-store", action="store_true", help="run only; leave the file as it is")
+    args = parser.parse_args()
+    failed = False
+    for notebook in args.notebooks:
+        errors = execute(notebook.resolve(), store=not args.no_store)
+        print(f"{notebook}: executed{'' if args.no_store else ' and stored'}"
+              f"{'; errors in ' + ', '.join(errors) if errors else ''}", flush=True)
+        failed = failed or bool(errors)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""What one learner costs a machine, lesson by lesson: peak memory, peak processes, CPU-seconds.
+
+    python -m helpers.tools.sizing                  # every lesson, one after another (a few minutes)
+    python -m helpers.tools.sizing notebooks/02_ddp.ipynb
+    python -m helpers.tools.sizing --inplace        # maintainers: also store the executed lessons
+    python -m helpers.tools.sizing --budget-mib 1536 # exit 1 if a lesson plus the Jupyter server needs more
+
+Each notebook runs top to bottom in a fresh kernel, as a learner's Run All would, on a copy (the lesson
+itself is not rewritten). Meanwhile the kernel and everything it starts (the launch server, torchrun
+agents, workers) are sampled every SAMPLE_SECONDS:
+- peak memory is the largest sum of PSS over that process tree (proportional set size: a page shared by
+  forked workers counts once in total, split between them; on Linux);
+- at that peak, the PSS of each kind of process: the kernel, its launch server, torchrun agents (forked
+  from the server, or fresh), workers, and anything else (a bare `torchrun` the lesson times);
+- the Jupyter server a learner also runs is measured once (a JupyterLab server started and sampled
+  after it answers) and added when the peak is checked against --budget-mib (default 1536, a Binder pod
+  with room to spare);
+- peak processes is the largest number alive at once;
+- CPU-seconds are user + system time of every process of the tree, reaped at the end (this script makes
+  itself their subreaper on Linux, so nothing escapes the count), plus the notebook runner's own second or two.
+The facilitator guide's table comes from this script.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+from helpers import REPO_ROOT as ROOT
+
+SAMPLE_SECONDS = 0.2
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def _become_subreaper() -> None:
+    """Orphaned grandchildren are handed to this process (not to init), so their CPU time is counted."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def _tree(root: psutil.Process) -> list[psutil.Process]:
+    try:
+        return root.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _pss(process: psutil.Process) -> int:
+    try:
+        info = process.memory_full_info()
+        return getattr(info, "pss", info.rss)
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return 0
+
+
+def _reap_all(deadline: float) -> None:
+    while time.time() < deadline:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            time.sleep(0.05)
+
+
+KINDS = ("kernel", "launch server", "agents", "workers", "other")
+
+
+def _kind(process: psutil.Process, kernel: int, server: int | None) -> str:
+    try:
+        if process.pid == kernel:
+            return "kernel"
+        if process.pid == server:
+            return "launch server"
+        command = " ".join(process.cmdline())
+        parent = process.ppid()
+    except psutil.Error:
+        return "other"
+    if parent == server or "helpers.launcher.agent" in command or "torch.distributed.run" in command:
+        return "agents"
+    if "helpers.launcher" in command or "helpers/workers" in command:
+        return "workers"
+    return "other"
+
+
+def _by_kind(processes: list[psutil.Process], sizes: list[int]) -> dict[str, float]:
+    kernel = next((p.pid for p in processes if _cmdline(p).count("ipykernel")), -1)
+    server = next((p.pid for p in processes if "helpers.launcher.server" in _cmdline(p) and p.ppid() == kernel), None)
+    kinds = dict.fromkeys(KINDS, 0.0)
+    for process, size in zip(processes, sizes, strict=True):
+        kinds[_kind(process, kernel, server)] += size / 2**20
+    return kinds
+
+
+def _cmdline(process: psutil.Process) -> str:
+    try:
+        return " ".join(process.cmdline())
+    except psutil.Error:
+        return ""
+
+
+def jupyter_server_mib(timeout: float = 60) -> float:
+    """PSS of an idle JupyterLab server, started here and stopped (what a learner runs beside the lesson)."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with tempfile.TemporaryDirectory() as root:
+        server = subprocess.Popen([sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ip=127.0.0.1",
+                                   f"--port={port}", "--ServerApp.token=sizing", f"--ServerApp.root_dir={root}",
+                                   "--allow-root"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                try:
+                    urllib.request.urlopen(f"http://127.0.0.1:{port}/lab?token=sizing", timeout=5).read()
+                    break
+                except OSError:
+                    time.sleep(0.3)
+            handle = psutil.Process(server.pid)
+            return sum(_pss(p) for p in [handle, *_tree(handle)]) / 2**20
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+
+
+def measure(notebook: Path, inplace: bool = False) -> dict[str, float]:
+    """Run one notebook in a fresh kernel and return its peak memory (MiB), processes and CPU-seconds.
+    inplace: store the executed notebook (with the digits data, as the tests expect), like notebook_tools."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    with tempfile.TemporaryDirectory() as scratch:
+        started = time.perf_counter()
+        command = [sys.executable, "-m", "helpers.tools.notebook_tools", str(notebook)]
+        runner = subprocess.Popen(command + ([] if inplace else ["--no-store"]),
+                                  stdout=subprocess.DEVNULL, stderr=open(Path(scratch) / "runner.log", "w"))
+        handle = psutil.Process(runner.pid)
+        peak_bytes, peak_processes, at_peak = 0, 0, dict.fromkeys(KINDS, 0.0)
+        while runner.poll() is None:
+            processes = _tree(handle)  # the kernel and all below it; the runner itself is left out
+            sizes = [_pss(p) for p in processes]
+            peak_processes = max(peak_processes, len(processes))
+            if sum(sizes) > peak_bytes:
+                peak_bytes, at_peak = sum(sizes), _by_kind(processes, sizes)
+            time.sleep(SAMPLE_SECONDS)
+        seconds = time.perf_counter() - started
+        _reap_all(time.time() + 10)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return {"peak MiB": peak_bytes / 2**20, "peak processes": peak_processes, "CPU-seconds": cpu,
+            "wall seconds": seconds, "errors": runner.returncode != 0, "at peak": at_peak}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("notebooks", nargs="*", type=Path)
+    parser.add_argument("--inplace", action="store_true", help="store each executed lesson (maintainers)")
+    parser.add_argument("--budget-mib", type=float, default=1536, help="peak + Jupyter server allowed per learner")
+    args = parser.parse_args()
+    _become_subreaper()
+    notebooks = args.notebooks or sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    probe = "import torch; print(torch.__version__, torch.version.cuda or 'cpu')"
+    build = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.split()
+    print(f"torch {build[0]} ({'CPU-only build' if build[1] == 'cpu' else 'CUDA ' + build[1] + ' build'}): every "
+          "process that imports torch maps its libraries, so a CPU-only build (binder/requirements.txt) costs less")
+    server = jupyter_server_mib()
+    print(f"Jupyter server (JupyterLab, idle): {server:.0f} MiB, added to each lesson's peak for the budget of "
+          f"{args.budget_mib:.0f} MiB", flush=True)
+    print(f"{'lesson':<40} {'peak MiB':>8} {'+server':>8} " + " ".join(f"{k:>13}" for k in KINDS)
+          + f" {'processes':>9} {'CPU-s':>6} {'wall s':>6}", flush=True)
+    over = []
+    for notebook in notebooks:
+        row = measure(notebook.resolve(), inplace=args.inplace)
+        total = row["peak MiB"] + server
+        flags = ("  (cells raised errors: see the lesson)" if row["errors"] else "") + \
+                (f"  OVER {args.budget_mib:.0f} MiB" if total > args.budget_mib else "")
+        if total > args.budget_mib or row["errors"]:
+            over.append(notebook.name)
+        print(f"{notebook.name:<40} {row['peak MiB']:>8.0f} {total:>8.0f} "
+              + " ".join(f"{row['at peak'][k]:>13.0f}" for k in KINDS)
+              + f" {row['peak processes']:>9} {row['CPU-seconds']:>6.0f} {row['wall seconds']:>6.0f}{flags}",
+              flush=True)
+    print(f"\n{psutil.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB; "
+          f"LESSONS_CPUS={os.environ.get('LESSONS_CPUS', 'unset')}")
+    if over:
+        print(f"Over budget or failing: {', '.join(over)}")
+    return 1 if over else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""Try a tensor-parallel plan for the transformer's MLP block on two ranks, against the same block in one process.
+
+    torchrun --standalone --nproc-per-node 2 helpers/workers/mesh_plan_check.py notebooks/my_mlp_plan.py
+
+The plan file defines PLAN, the dict parallelize_module takes for helpers.transformer.FeedForward
+({"w1": ..., "w2": ...}). Every rank builds the same block and input (seed 0), keeps a plain copy, applies
+PLAN on a 1-D mesh of all ranks and runs forward and backward under CommDebugMode. It reports each weight's
+placements and local shape, the collectives of forward and of backward, and how far the output and the
+weights' gradients are from the plain copy's; or, if torch refuses the plan, the error's last line.
+"""
+import argparse
+import copy
+import runpy
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.parallel import parallelize_module
+
+from helpers import transformer
+from helpers.distributed import init_distributed
+from helpers.reporting import result
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def max_abs_diff(first: list[torch.Tensor], second: list[torch.Tensor]) -> float:
+    return max((a - b).abs().max().item() for a, b in zip(first, second, strict=True))
+
+
+def try_plan(plan: dict, mesh, block: transformer.FeedForward, x: torch.Tensor) -> dict:
+    plain = copy.deepcopy(block)
+    expected = plain(x)
+    expected.sum().backward()
+    parallelize_module(block, mesh, plan)
+    counts = {}
+    with CommDebugMode() as forward:
+        y = block(x)
+    with CommDebugMode() as backward:
+        y.sum().backward()
+    for phase, mode in (("forward", forward), ("backward", backward)):
+        counts[phase] = {str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items()}
+    y = whole(y)
+    report = {"weights": {name: {"placements": [repr(p) for p in getattr(layer.weight, "placements", [])],
+                                 "local_shape": list(getattr(layer.weight, "_local_tensor", layer.weight).shape)}
+                          for name, layer in (("w1", block.w1), ("w2", block.w2))},
+              "collectives": counts, "output_shape": list(y.shape), "expected_shape": list(expected.shape)}
+    if y.shape == expected.shape:
+        report["output_diff"] = max_abs_diff([y], [expected])
+        report["grad_diff"] = max_abs_diff([whole(block.w1.weight.grad), whole(block.w2.weight.grad)],
+                                           [plain.w1.weight.grad, plain.w2.weight.grad])
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("plan", help="a Python file that defines PLAN")
+    args = parser.parse_args()
+    _, world_size, device = init_distributed()
+    plan = runpy.run_path(args.plan)["PLAN"]
+    mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("tp",))
+    torch.manual_seed(0)  # every rank: the same block and the same input
+    block = transformer.FeedForward(transformer.DIM, transformer.HIDDEN).to(device)
+    x = torch.randn(2, transformer.SEQ, transformer.DIM, device=device)
+    try:
+        report = try_plan(plan, mesh, block, x)
+    except Exception as error:  # every rank fails the same way, before any collective it would wait in
+        report = {"error": f"{type(error).__name__}: {str(error).strip().splitlines()[-1]}"}
+    result(**report)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""Worker kit for lesson 09 (build ZeRO yourself): shard arithmetic, storage helpers, the lesson's models,
+and a log of the collectives a process issues.
+
+    from helpers.zero_kit import CommLog, padded_flat, shard_size, free_storage, alloc_storage
+
+- `padded_flat(tensor, world_size)`: the tensor flattened and padded with zeros to world_size * shard_size
+  values; rank r's shard is `.chunk(world_size)[r]`. This is the lesson's sharding rule (ours; FSDP2 pads
+  dim 0 instead, torch/distributed/fsdp/_fully_shard/_fsdp_param.py).
+- `free_storage` / `alloc_storage`: what FSDP2 does to an unsharded parameter between uses
+  (`_fsdp_param.py`, `alloc_storage` and `free_storage`): the tensor keeps its shape, its storage goes to
+  0 bytes and back.
+- `CommLog`: replaces the collectives on the `torch.distributed` namespace with wrappers that record each
+  call (operation, bytes of the full, unsharded tensor, async_op) in order, then call torch's function.
+  A call counts only if it goes through `torch.distributed.<name>`: that is how the learner's classes,
+  `ZeroRedundancyOptimizer` (dist.broadcast), DDP's default comm hook (dist.all_reduce) and FSDP2
+  (dist.all_gather_single, dist.reduce_scatter_single) call them in torch 2.14.
+Imports only torch: workers and the notebook both use it.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+# operation -> which argument is the full (unsharded) tensor: its position, and its keyword
+_FULL_TENSOR = {
+    "all_reduce": (0, "tensor"), "broadcast": (0, "tensor"),
+    "reduce_scatter_tensor": (1, "input"), "reduce_scatter_single": (1, "input"),
+    "all_gather_into_tensor": (0, "output_tensor"), "all_gather_single": (0, "output_tensor"),
+    "all_gather": (0, "tensor_list"), "reduce_scatter": (1, "input_list"),
+}
+
+
+def shard_size(numel: int, world_size: int) -> int:
+    """Values per rank when `numel` values are split over `world_size` ranks: rounded up."""
+    return -(-numel // world_size)
+
+
+def padded_flat(tensor: torch.Tensor, world_size: int) -> torch.Tensor:
+    """`tensor` flattened, with zeros appended up to world_size * shard_size values (a new tensor)."""
+    flat = tensor.detach().reshape(-1)
+    padding = shard_size(flat.numel(), world_size) * world_size - flat.numel()
+    return torch.cat([flat, flat.new_zeros(padding)])
+
+
+def free_storage(tensor: torch.Tensor) -> None:
+    """Give the tensor's memory back; it keeps its shape (as FSDP2's free_storage)."""
+    if tensor.untyped_storage().size() != 0:
+        tensor.untyped_storage().resize_(0)
+
+
+def alloc_storage(tensor: torch.Tensor) -> None:
+    """Give a freed tensor memory again (uninitialised; copy values in before use)."""
+    size = tensor.numel() * tensor.element_size()
+    if tensor.untyped_storage().size() != size:
+        tensor.untyped_storage().resize_(size)
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of memory these tensors really hold now, each storage counted once (a freed one holds 0)."""
+    storages = {}
+    for tensor in tensors:
+        if tensor is not None:
+            storage = (tensor.to_local() if hasattr(tensor, "to_local") else tensor).untyped_storage()  # DTensor
+            storages[storage.data_ptr() if storage.size() else id(tensor)] = storage.size()
+    return sum(storages.values())
+
+
+def _nbytes(value) -> int:
+    if isinstance(value, (list, tuple)):
+        return sum(t.numel() * t.element_size() for t in value)
+    return value.numel() * value.element_size()
+
+
+class CommLog:
+    """Records every collective issued through torch.distributed while installed (the list `events`)."""
+
+    def __init__(self) -> None:
+        self.events: list[dict] = []
+        self._originals: dict = {}
+
+    def install(self) -> CommLog:
+        for name, (position, keyword) in _FULL_TENSOR.items():
+            original = self._originals[name] = getattr(dist, name)
+            setattr(dist, name, self._wrap(name, original, position, keyword))
+        return self
+
+    def uninstall(self) -> None:
+        for name, original in self._originals.items():
+            setattr(dist, name, original)
+        self._originals.clear()
+
+    def _wrap(self, name, original, position, keyword):
+        def recorded(*args, **kwargs):
+            full = kwargs[keyword] if keyword in kwargs else args[position]
+            self.events.append({"op": name, "bytes": _nbytes(full), "async": bool(kwargs.get("async_op"))})
+            return original(*args, **kwargs)
+        return recorded
+
+    def mark(self, label: str, **facts) -> None:
+        """Put a marker (e.g. "forward end 2") between the recorded calls, with any facts about that moment."""
+        self.events.append({"op": "mark", "label": label, **facts})
+
+    def take(self) -> list[dict]:
+        """The events so far; the log starts empty again."""
+        events, self.events = self.events, []
+        return events
+
+
+class TiedPair(nn.Module):
+    """x -> a(x) -> relu -> b(.), where b uses a's weight (tied): 99 parameters, an odd count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(9, 9), nn.Linear(9, 9)
+        self.b.weight = self.a.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def build_model(name: str, seed: int = 0) -> tuple[nn.Module, list[nn.Module], int]:
+    """The lesson's models: (model, its units = the Linear layers, input width). Same seed, same weights.
+
+    mlp: 4,426 parameters, even sizes; odd: 55 parameters, every tensor odd; tied: 99, one weight shared.
+    """
+    torch.manual_seed(seed)
+    if name == "mlp":
+        model = nn.Sequential(nn.Linear(32, 48), nn.ReLU(), nn.Linear(48, 48), nn.ReLU(), nn.Linear(48, 10))
+        width = 32
+    elif name == "odd":
+        model, width = nn.Sequential(nn.Linear(7, 5), nn.ReLU(), nn.Linear(5, 3, bias=False)), 7
+    elif name == "tied":
+        model, width = TiedPair(), 9
+    else:
+        raise ValueError(f"unknown model {name!r}; choose mlp, odd or tied")
+    return model, [m for m in model.modules() if isinstance(m, nn.Linear)], width

@@ -1,0 +1,166 @@
+"""Lesson 10 (meshes): helpers/transformer.py, helpers/mesh.py and the mesh_* workers, at the smallest sizes."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import WorkerFailed, launch, transformer
+from helpers.mesh import (
+    agrees_with_commdebugmode,
+    check_mesh_for,
+    check_mlp_plan,
+    checkpoint_files,
+    expected_counts,
+    judge_plan,
+    load_in_one_process,
+    measure_launch,
+    measured_counts,
+    mesh_groups,
+)
+
+WORKERS = Path(__file__).resolve().parent.parent / "helpers" / "workers"
+HEADER = "from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel\n" \
+         "from torch.distributed.tensor import Replicate, Shard\n"
+
+
+def test_the_plan_counts_units_blocks_and_the_root():
+    fsdp = expected_counts("fsdp", blocks=2)
+    assert fsdp["forward"] == {"dp/all_gather": 3}
+    assert fsdp["backward"] == {"dp/all_gather": 2, "dp/reduce_scatter": 3}  # the root is not gathered again
+    assert expected_counts("hsdp", blocks=5)["backward"]["replicate/all_reduce"] == 6
+    no_sp = expected_counts("fsdp_tp_no_sp", blocks=3)
+    assert no_sp["forward"]["tp/all_reduce"] == 7 and no_sp["backward"]["tp/all_reduce"] == 13
+    sp = expected_counts("fsdp_tp", blocks=1)
+    assert sp["forward"] == {"dp/all_gather": 2, "tp/all_gather": 4, "tp/reduce_scatter": 3}
+
+
+def test_measured_counts_group_ops_by_dimension_and_check_commdebugmode():
+    counts = {phase: {"calls": {}, "bytes": {}, "commdebugmode": {}} for phase in ("forward", "backward", "optimizer")}
+    counts["forward"] = {"calls": {"_allgather_base_/dp": 3, "all_gather_into_tensor/tp": 6},
+                         "bytes": {"_allgather_base_/dp": 30, "all_gather_into_tensor/tp": 60},
+                         "commdebugmode": {"_allgather_base_": 3, "all_gather_into_tensor": 6}}
+    assert measured_counts(counts)["forward"] == {"dp/all_gather": 3, "tp/all_gather": 6}
+    assert measured_counts(counts, "bytes")["forward"]["tp/all_gather"] == 60
+    assert agrees_with_commdebugmode(counts)
+    counts["forward"]["commdebugmode"]["all_gather_into_tensor"] = 5  # one collective we did not attribute
+    assert not agrees_with_commdebugmode(counts)
+
+
+def test_batches_and_rows_are_the_same_tokens_in_every_process():
+    inputs, targets = transformer.batch(3, 8)
+    again, _ = transformer.batch(3, 8)
+    assert torch.equal(inputs, again) and not torch.equal(inputs, transformer.batch(4, 8)[0])
+    assert torch.equal(inputs[:, 1:], targets[:, :-1])  # targets are the inputs shifted by one token
+    assert torch.equal(torch.cat([transformer.rows(inputs, i, 4) for i in range(4)]), inputs)
+
+
+def test_reference_learns_and_is_deterministic():
+    first, second = transformer.reference_losses(5, 8), transformer.reference_losses(5, 8)
+    assert first == second and first[-1] < first[0]
+
+
+def report(**changes) -> dict:
+    good = {"weights": {"w1": {"placements": ["Shard(dim=0)"], "local_shape": [128, 64]},
+                        "w2": {"placements": ["Shard(dim=1)"], "local_shape": [64, 128]}},
+            "collectives": {"forward": {"all_reduce": 1}, "backward": {}},
+            "output_shape": [2, 32, 64], "expected_shape": [2, 32, 64], "output_diff": 3e-7, "grad_diff": 0.0}
+    return {0: {**good, **changes}}
+
+
+@pytest.mark.parametrize("changes, words", [
+    ({"error": "RuntimeError: Sharding propagation failed for aten.mm.default"},
+     "RowwiseParallel an input split along its features"),
+    ({"weights": {"w1": {"placements": [], "local_shape": [256, 64]},
+                  "w2": {"placements": ["Shard(dim=1)"], "local_shape": [64, 128]}}}, "whole on every rank"),
+    ({"output_shape": [2, 16, 64]}, "every rank should end with the whole output"),
+    ({"output_diff": 0.3}, "differ from one process's"),
+    ({"collectives": {"forward": {"all_gather_into_tensor": 1, "all_reduce": 1}, "backward": {}}}, "right answer, but"),
+])
+def test_judge_plan_says_what_is_wrong(changes, words, capsys):
+    assert not judge_plan(report(**changes))
+    assert words in capsys.readouterr().out
+    assert judge_plan(report())
+
+
+@pytest.mark.parametrize("plan, words", [
+    ('PLAN = {"w1": ColwiseParallel(), "w2": RowwiseParallel()}', "Correct:"),
+    ("PLAN = {}", "a plain tensor, whole on every rank"),  # the starting code
+    ('PLAN = {"w1": ColwiseParallel(), "w2": ColwiseParallel()}', "torch refused the plan"),
+    ('PLAN = {"w1": RowwiseParallel(), "w2": ColwiseParallel()}', "torch refused the plan"),
+    ('PLAN = {"w1": ColwiseParallel(output_layouts=Replicate()), "w2": RowwiseParallel(input_layouts=Replicate())}',
+     "right answer, but"),
+    ('PLAN = {"w1": ColwiseParallel(), "w2": RowwiseParallel(output_layouts=Shard(1))}', "the whole output"),
+    ("plan = {}", "must define PLAN"),
+])
+def test_exercise_check_on_real_launches(plan, words, tmp_path, capsys):
+    plan_file = tmp_path / "my_mlp_plan.py"
+    plan_file.write_text(HEADER + plan + "\n")
+    assert check_mlp_plan(plan_file) == (words == "Correct:")
+    assert words in capsys.readouterr().out
+
+
+def test_layouts_match_one_process_and_the_plan():
+    run = launch(WORKERS / "mesh_layouts.py", nproc=4, args=["--steps", 3, "--layouts", "hsdp", "fsdp_tp"], echo=False,
+                 timeout=120)
+    reference = transformer.reference_losses(3, 8)
+    for rank in range(4):
+        for layout in ("hsdp", "fsdp_tp"):
+            seen = run.results[rank][layout]
+            assert max(abs(a - b) for a, b in zip(seen["losses"], reference, strict=True)) < 1e-5
+            assert seen["grad_gap"] < 1e-6
+            counted = measured_counts(seen["counts"])
+            assert counted["forward"] == expected_counts(layout)["forward"]
+            assert counted["backward"] == expected_counts(layout)["backward"]
+            assert agrees_with_commdebugmode(seen["counts"])
+
+
+def test_workers_refuse_a_world_that_is_not_2_by_2():
+    with pytest.raises(WorkerFailed, match="start it with 4 processes"):
+        launch(WORKERS / "mesh_tour.py", nproc=2, echo=False, timeout=60)
+
+
+def test_checkpoint_reshards_bitwise_and_a_changed_value_is_caught(tmp_path):
+    folder = tmp_path / "checkpoint"
+    common = ["--dir", folder, "--save-at", 2, "--steps", 4]
+    saved = launch(WORKERS / "mesh_checkpoint.py", nproc=4, args=["save", *common], echo=False, timeout=120)
+    assert all(saved.results[rank]["in_flight_at_step_start"] for rank in range(4))
+    assert [name for name, _ in checkpoint_files(folder / "step-2")] == [".metadata"] + [
+        f"__{rank}_0.distcp" for rank in range(4)]
+    loaded = launch(WORKERS / "mesh_checkpoint.py", nproc=4, args=["load", "--layout", "fsdp_tp", *common],
+                    echo=False, timeout=120)
+    for rank in range(4):
+        assert loaded.results[rank]["unequal"] == [] and loaded.results[rank]["compared"] == 76
+        resumed = loaded.results[rank]["losses"]
+        assert max(abs(a - b) for a, b in zip(resumed, saved.results[0]["losses"][2:], strict=True)) < 1e-5
+    assert load_in_one_process(folder / "step-2", folder / "full_state.pt")["unequal"] == []
+    truth = torch.load(folder / "full_state.pt")
+    truth["model.norm.weight"][0] = torch.nextafter(truth["model.norm.weight"][0], torch.tensor(10.0))  # one ulp
+    torch.save(truth, folder / "full_state.pt")
+    assert load_in_one_process(folder / "step-2", folder / "full_state.pt")["unequal"] == ["model.norm.weight"]
+
+
+def test_measure_launch_sees_child_processes():
+    measured = measure_launch(lambda: subprocess.run([sys.executable, "-c", "import time; time.sleep(0.6)"]).returncode,
+                              every=0.05)
+    assert measured["value"] == 0 and measured["processes"] >= 1 and measured["pss"] > 0
+    assert measured["seconds"] >= 0.6
+
+
+@pytest.mark.parametrize("mesh_for, words", [
+    (lambda nodes, gpus: ((nodes, gpus), ("dp", "tp")), "Correct:"),
+    (lambda nodes, gpus: ((nodes * gpus,), ("dp",)), "named the dimensions"),  # the starting code
+    (lambda nodes, gpus: None, "not (mesh_shape, mesh_dim_names)"),
+    (lambda nodes, gpus: ((nodes, gpus + 1), ("dp", "tp")), "ranks;"),
+    (lambda nodes, gpus: ((nodes, gpus), ("tp", "dp")), "so every layer's collectives would cross the network"),
+    (lambda nodes, gpus: ((gpus, nodes), ("dp", "tp")), "use the whole node for tp"),
+])
+def test_mesh_for_check_says_what_is_wrong(mesh_for, words, capsys):
+    assert check_mesh_for(mesh_for) == (words == "Correct:")
+    assert words in capsys.readouterr().out
+
+
+def test_mesh_groups_are_torchs_row_by_row_layout():
+    groups = mesh_groups((2, 3), ("dp", "tp"))
+    assert groups[4] == {"dp": [1, 4], "tp": [3, 4, 5]}

@@ -1,0 +1,180 @@
+"""Lesson 09: the four checks accept the solutions, say "Not yet" on the starting code, and fire each message on a
+wrong class (a mutated copy of helpers/workers/zero_solution.py). Each check is one real 2-rank launch (~5 s)."""
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers.zero import check_step, expected, traffic
+from helpers.zero_kit import alloc_storage, free_storage, padded_flat, shard_size, storage_bytes
+
+ROOT = Path(__file__).resolve().parent.parent
+SOLUTION = ROOT / "helpers" / "workers" / "zero_solution.py"
+NOTEBOOK = ROOT / "notebooks" / "09_build_zero.ipynb"
+
+FRONT_PADDING = '''
+
+def padded_flat(tensor, world_size):  # wrong: the zeros go in front
+    flat = tensor.detach().reshape(-1)
+    padding = -(-flat.numel() // world_size) * world_size - flat.numel()
+    return torch.cat([flat.new_zeros(padding), flat])
+'''
+
+ALL_REDUCE_THEN_KEEP_SHARD = (
+    "dist.reduce_scatter_single(summed, padded_flat(p.grad, self.world_size))",
+    "full = padded_flat(p.grad, self.world_size)\n        dist.all_reduce(full)\n"
+    "        summed = full.chunk(self.world_size)[self.rank].clone()")
+
+STASH = (  # keeps the full gradients out of .grad (the memory check reads .grad), reduce-scatters them in step()
+    ("        self._reduce_scatter(p)\n        p.grad = None  # the full gradient is freed during backward",
+     "        self.__dict__.setdefault('stash', []).append((p, p.grad))\n        p.grad = None\n"
+     "        self.shards[p].grad = torch.zeros_like(self.shards[p])  # the shard's gradient, preallocated"),
+    ("    def step(self) -> None:\n        self.optimizer.step()\n"
+     "        for p in self.params:\n            self._all_gather(p)",
+     "    def step(self) -> None:\n        for p, grad in self.__dict__.pop('stash', []):\n            p.grad = grad\n"
+     "            self._reduce_scatter(p)\n            p.grad = None\n        self.optimizer.step()\n"
+     "        for p in self.params:\n            self._all_gather(p)"),
+)
+
+MUTATIONS = {
+    "bucketed, no division by the world size": (
+        "bucketed", [("(flat / self.world_size)", "flat")], "differ from torch's DDP"),
+    "bucketed, a bucket may not exceed the cap": (
+        "bucketed", [("if size >= cap:", "if size + p.numel() * p.element_size() > cap and self.buckets[-1]:")],
+        "the bucket plan"),
+    "bucketed, all-reduces after backward": (
+        "bucketed", [("dist.all_reduce(flat, async_op=True)", "None"),
+                     ("            work.wait()\n            averages", "            dist.all_reduce(flat)\n"
+                      "            averages")], "must start during backward"),
+    "bucketed, an extra broadcast": (
+        "bucketed", [("            work.wait()\n            averages", "            work.wait()\n"
+                      "            dist.broadcast(flat, src=0)\n            averages")], "DDP only all-reduces"),
+    "zero1, all-gathers twice": (
+        "zero1", [("            self._all_gather(p)\n\n    def zero_grad",
+                   "            self._all_gather(p)\n            self._all_gather(p)\n\n    def zero_grad")],
+        "bytes by all_gather; it should be 17704"),
+    "zero1, padding in front": (
+        "zero1", [("from helpers.zero_kit import alloc_storage, free_storage, padded_flat\n",
+                   "from helpers.zero_kit import alloc_storage, free_storage\n" + FRONT_PADDING),
+                  ("full[: p.numel()]", "full[full.numel() - p.numel():]")], "values [0, 18) of"),
+    "zero1, the optimizer also keeps state for the full parameters": (
+        "zero1", [("optimizer_class(list(self.shards.values()), **kwargs)",
+                   "optimizer_class(list(self.shards.values()) + self.params, **kwargs)")], "bytes of Adam state"),
+    "zero1, all-reduces then keeps its shard": ("zero1", [ALL_REDUCE_THEN_KEEP_SHARD], "all-reduced; reduce-scatter"),
+    "zero2, all-reduces then keeps its shard": ("zero2", [ALL_REDUCE_THEN_KEEP_SHARD], "all-reduced; reduce-scatter"),
+    "zero2, keeps the full gradients": (
+        "zero2", [("        p.grad = None  # the full gradient is freed during backward", "")],
+        "bytes of gradients after backward"),
+    "zero2, reduce-scatters in step()": ("zero2", list(STASH), "reduce-scattered after backward"),
+    "zero3, no prefetch": (
+        "zero3", [("        self._start_gather(prefetch)  # the next unit's all-gather runs while this unit computes\n",
+                   "")],
+        "was not issued before unit 0's forward ended"),
+    "zero3, never frees after forward": (
+        "zero3", [("            unit.register_forward_hook(lambda module, args, output, i=i: self._free(i))\n", "")],
+        "still held"),
+    "zero3, all-gathers in step()": (
+        "zero3", [("        self.optimizer.step()  # no all-gather: the next forward gathers each unit "
+                   "when it needs it\n", "        super().step()\n")], "bytes of parameters after the step"),
+}
+
+
+def mutated(tmp_path: Path, replacements: list[tuple[str, str]]) -> Path:
+    source = SOLUTION.read_text()
+    for old, new in replacements:
+        assert source.count(old) >= 1, f"the solution no longer contains {old!r}"
+        source = source.replace(old, new)
+    path = tmp_path / "mutant.py"
+    path.write_text(source)
+    return path
+
+
+@pytest.mark.parametrize("stage", ["bucketed", "zero1", "zero2", "zero3"])
+def test_check_accepts_the_solution(stage, capsys):
+    assert check_step(stage, SOLUTION)
+    assert capsys.readouterr().out.startswith("Correct: ")
+
+
+@pytest.mark.parametrize("name", sorted(MUTATIONS))
+def test_check_fires_its_message_on_a_wrong_class(name, tmp_path, capsys):
+    stage, replacements, message = MUTATIONS[name]
+    assert not check_step(stage, mutated(tmp_path, replacements))
+    out = capsys.readouterr().out
+    assert out.startswith("Not yet: ") and message in out, out
+
+
+def test_starting_code_in_the_notebook_says_not_yet(tmp_path, capsys):
+    cells = ["".join(c["source"]) for c in json.loads(NOTEBOOK.read_text())["cells"] if c["cell_type"] == "code"]
+    files = {}
+    for source in cells:
+        match = re.match(r"%%writefile (\S+)\n", source)
+        if match:
+            files[match[1]] = source[match.end():]
+            (tmp_path / match[1]).write_text(files[match[1]])
+    stages = {"my_bucketed_ddp.py": "bucketed", "my_zero1.py": "zero1", "my_zero2.py": "zero2", "my_zero3.py": "zero3"}
+    assert set(files) == set(stages)
+    for file, stage in stages.items():
+        assert not check_step(stage, tmp_path / file)
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 4 and all(line.startswith("Not yet: ") for line in out), out
+    assert "the bucket plan" in out[0]  # the per-parameter all-reduce trains right but breaks the plan
+    assert "`shards` should map every parameter" in out[1]  # plain data parallelism: right values, nothing sharded
+
+
+def test_check_reports_a_crash_and_a_hang(tmp_path, capsys):
+    crash = tmp_path / "crash.py"
+    crash.write_text("class Zero1:\n    def __init__(self, *args, **kwargs):\n        raise RuntimeError('boom')\n")
+    assert not check_step("zero1", crash)
+    assert "the check failed with RuntimeError: boom" in capsys.readouterr().out
+    hang = tmp_path / "hang.py"  # rank 0 waits in an all-reduce that rank 1 never joins
+    hang.write_text("import torch, torch.distributed as dist\n\nclass Zero1:\n"
+                    "    def __init__(self, *args, **kwargs):\n        if dist.get_rank() == 0:\n"
+                    "            dist.all_reduce(torch.zeros(1))\n        import time; time.sleep(60)\n")
+    assert not check_step("zero1", hang, timeout=15)
+    assert "still running after 15 s" in capsys.readouterr().out
+
+
+def test_shard_arithmetic_and_storage_helpers():
+    assert [shard_size(n, 2) for n in (35, 5, 15, 4426)] == [18, 3, 8, 2213]
+    flat = padded_flat(torch.arange(5.0), 2)
+    assert flat.tolist() == [0, 1, 2, 3, 4, 0] and flat.chunk(2)[1].tolist() == [3, 4, 0]
+    assert expected([35, 5, 15], 2) == {"params": 55, "shard": 29, "padding": 3, "adam_shard_bytes": 232,
+                                        "grad_shard_bytes": 116, "param_shard_bytes": 116}
+    weight = torch.ones(4, 4)
+    view = weight[0]
+    assert storage_bytes([weight, view]) == 64  # one storage, counted once
+    free_storage(weight)
+    assert storage_bytes([weight]) == 0 and weight.shape == (4, 4)
+    alloc_storage(weight)
+    assert storage_bytes([weight]) == 64
+
+
+def test_traffic_counts_an_all_reduce_twice():
+    events = [{"op": "all_reduce", "bytes": 100, "async": True}, {"op": "mark", "label": "backward end"},
+              {"op": "reduce_scatter_single", "bytes": 100, "async": False},
+              {"op": "all_gather_single", "bytes": 100, "async": False}]
+    counts = traffic(events)
+    assert counts["volume"] == 400 and counts["all_reduce calls"] == 1 and counts["all_gather_single bytes"] == 100
+
+
+def test_a_learner_who_fills_in_the_four_files_passes(tmp_path, capsys):
+    # the exercise path: my_zero2.py imports Zero1 from my_zero1.py beside it, my_zero3.py Zero2 from my_zero2.py
+    import ast
+
+    source = SOLUTION.read_text()
+    classes = {node.name: ast.get_source_segment(source, node) for node in ast.parse(source).body
+               if isinstance(node, ast.ClassDef)}
+    header = ("import torch\nimport torch.distributed as dist\nfrom torch import nn\n\n"
+              "from helpers.zero_kit import alloc_storage, free_storage, padded_flat\n")
+    files = {"my_bucketed_ddp.py": ("", "BucketedDDP"), "my_zero1.py": ("", "Zero1"),
+             "my_zero2.py": ("from my_zero1 import Zero1\n", "Zero2"),
+             "my_zero3.py": ("from my_zero2 import Zero2\n", "Zero3")}
+    for name, (imports, cls) in files.items():
+        (tmp_path / name).write_text(header + imports + "\n\n" + classes[cls] + "\n")
+    runs = {}
+    for name, stage in zip(files, ("bucketed", "zero1", "zero2", "zero3"), strict=True):
+        assert check_step(stage, tmp_path / name, keep=runs)
+    assert sorted(runs) == ["bucketed", "zero1", "zero2", "zero3"]
+    assert all(line.startswith("Correct: ") for line in capsys.readouterr().out.splitlines())
