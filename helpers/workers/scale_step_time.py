@@ -27,7 +27,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from helpers.distributed import init_distributed
-from helpers.worker import progress, result
+from helpers.reporting import progress, result
 
 
 def slowest_median(action: Callable[[], object], repeats: int) -> float:

@@ -17,9 +17,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from helpers.distributed import init_distributed
+from helpers.reporting import report, result
 from helpers.transformer import batch
 from helpers.twin import order_probe, tp_record
-from helpers.worker import report, result
 
 
 def main() -> None:
