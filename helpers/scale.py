@@ -437,6 +437,27 @@ def fsdp_twin_error(world_size: int = 2) -> str:
     return ""
 
 
+def wrapper_twin_errors(world_size: int = 2) -> dict[str, str]:
+    """torch's data-parallel wrappers built under LocalTensorMode: the first line of each one's error, or ""."""
+    from torch.distributed._local_tensor import LocalTensorMode
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    builders = {"DistributedDataParallel": lambda model: DistributedDataParallel(model),
+                "ZeroRedundancyOptimizer": lambda model: ZeroRedundancyOptimizer(
+                    model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3)}
+    errors = {}
+    for name, build in builders.items():
+        with simulated_world(world_size), LocalTensorMode(world_size):
+            try:
+                build(nn.Linear(4, 2))
+                errors[name] = ""
+            except (RuntimeError, AttributeError) as error:
+                errors[name] = f"{type(error).__name__}: {str(error).splitlines()[0]}"
+    errors["fully_shard"] = fsdp_twin_error(world_size)
+    return errors
+
+
 def first_differing_output(twin: list[dict[str, Any]], real_results: dict[int, dict[str, Any]],
                            rank: int = 0) -> tuple[list[str], str | None, float]:
     """Module outputs of the first forward, in the order they were produced: (names equal before the first that

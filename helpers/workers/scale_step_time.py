@@ -8,7 +8,8 @@ Measured, in this order, each as the slowest rank's time (an all_reduce with MAX
 - the FLOP rate of one forward matmul of the model's shape, and the time of one Adam step on the whole model and
   on half of it, without any communication;
 - the step time (forward, backward, optimizer step) of DDP, ZeRO-1 (DDP with ZeroRedundancyOptimizer) and FSDP2
-  (`fully_shard` on every layer, then the model), after `--warmup` untimed steps; and two controls: the plain model
+  (`fully_shard` on every layer, then the model), after `--warmup` untimed steps, one step of each mode per round
+  for `--steps` rounds (median per mode); and two controls: the plain model
   with no communication at all ("local"), and FSDP2 over a group of one rank ("fsdp_alone": all its own work,
   no peer), both run by every rank at the same time as in the real modes.
 CPU and gloo only, also where GPUs exist: it times this machine's cores. Works with one process.
@@ -92,7 +93,7 @@ def main() -> None:
 
     # one group per rank, made by every rank in the same order: FSDP2 over a group of one has no peer to talk to
     alone = [dist.new_group([r]) for r in range(world_size)][rank]
-    steps = {}
+    setups = {}
     for mode in ("local", "ddp", "zero1", "fsdp", "fsdp_alone"):
         model = build(args.width, args.layers)
         if mode.startswith("fsdp"):
@@ -109,10 +110,15 @@ def main() -> None:
                          if mode == "zero1" else torch.optim.Adam(model.parameters(), lr=1e-4))
         for _ in range(args.warmup):
             training_step(model, optimizer, inputs)
-        steps[mode] = slowest_median(lambda model=model, optimizer=optimizer: training_step(model, optimizer, inputs),
-                                     args.steps)
-        if rank == 0:
-            print(f"{mode:>5}: {steps[mode] * 1e3:7.1f} ms per step")
+        setups[mode] = (model, optimizer)
+    # Round robin, one step of each mode per round: a neighbour's load falls on every mode alike.
+    samples = {mode: [] for mode in setups}
+    for _ in range(args.steps):
+        for mode, (model, optimizer) in setups.items():
+            samples[mode].append(slowest_median(lambda m=model, o=optimizer: training_step(m, o, inputs), 1))
+    steps = {mode: statistics.median(times) for mode, times in samples.items()}
+    if rank == 0:
+        print("  ".join(f"{mode} {seconds * 1e3:.1f} ms" for mode, seconds in steps.items()))
     progress(4, total=4)
     result(sizes=sizes, sweep_seconds=sweep, flop_rate=flop_rate, adam_seconds={"full": adam[1.0], "half": adam[0.5]},
            step_seconds=steps, n_params=sum(p.numel() for p in build(args.width, args.layers).parameters()),
