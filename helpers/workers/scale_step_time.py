@@ -68,9 +68,9 @@ def adam_seconds(model: nn.Module, fraction: float, repeats: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--width", type=int, default=768)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args()
@@ -122,7 +122,7 @@ def main() -> None:
     progress(4, total=4)
     result(sizes=sizes, sweep_seconds=sweep, flop_rate=flop_rate, adam_seconds={"full": adam[1.0], "half": adam[0.5]},
            step_seconds=steps, n_params=sum(p.numel() for p in build(args.width, args.layers).parameters()),
-           tensors=2 * args.layers, world_size=world_size)
+           tensors=2 * args.layers, width=args.width, layers=args.layers, batch=args.batch, world_size=world_size)
     dist.destroy_process_group()
 
 
