@@ -1,0 +1,51 @@
+"""The real run of lesson 11's twin: lesson 10's transformer, tensor-parallel with sequence parallelism, on gloo.
+
+    torchrun --standalone --nproc-per-node 2 helpers/workers/scale_twin.py --steps 2
+
+Every rank builds the same model (seed 0), shards it over a 1-D mesh of all ranks with lesson 10's plan
+(helpers.transformer.apply_tp) and trains it on the same global batch (tensor parallelism splits the model, not
+the data). helpers.twin.tp_record runs the steps, the same function the notebook runs under LocalTensorMode.
+Each rank hands back, per step, its loss, and its local gradients and parameters as exact float lists; every
+module's output in the first forward; and
+what all_reduce and reduce_scatter give for four values whose float32 sum depends on the order of addition.
+Works with one process.
+"""
+import argparse
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from helpers.distributed import init_distributed
+from helpers.reporting import report, result
+from helpers.transformer import batch
+from helpers.twin import order_probe, tp_record
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--global-batch", type=int, default=4)
+    parser.add_argument("--no-sequence-parallel", action="store_true")
+    args = parser.parse_args()
+
+    rank, world_size, device = init_distributed()
+    mesh = init_device_mesh(device.type, (world_size,))
+    batches = [tuple(t.to(device) for t in batch(step, args.global_batch)) for step in range(args.steps)]
+    record = tp_record(mesh, batches, sequence_parallel=not args.no_sequence_parallel)
+    for step, entry in enumerate(record):
+        report(step=step, loss=entry["loss"].item())
+    # float32 -> Python float -> JSON -> float32 is exact, so the notebook can compare bit for bit.
+    # The control: the four ORDER_PROBE values (helpers/scale.py) summed by this backend.
+    probe_values = (2.0**24, 1.0, -(2.0**24), 1.0)
+    probe = order_probe(torch.full((world_size,), probe_values[rank % 4], device=device))
+    result(order_probe={name: t.cpu().tolist() for name, t in probe.items()},
+           outputs={name: t.cpu().tolist() for name, t in record[0]["outputs"].items()},
+           steps=[{"loss": entry["loss"].item(),
+                   "grads": {name: t.cpu().tolist() for name, t in entry["grads"].items()},
+                   "params": {name: t.cpu().tolist() for name, t in entry["params"].items()}} for entry in record])
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
