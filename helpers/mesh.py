@@ -1,6 +1,7 @@
 """Lesson 10 (meshes): the collective plan of each layout, the exercise's check, and what the notebook measures.
 
     from helpers.mesh import expected_counts, measured_counts, check_mlp_plan, load_in_one_process
+    from helpers.mesh import checkpoint_chunks, not_sharded_by_rows  # what a DCP checkpoint's .metadata says
     expected_counts("fsdp_tp")      # {"forward": {"tp/all_gather": 6, ...}, "backward": {...}}
 
 The workers are helpers/workers/mesh_*.py; the model and the layouts are helpers/transformer.py.
@@ -86,6 +87,37 @@ def agrees_with_commdebugmode(counts: dict) -> bool:
 def checkpoint_files(folder: str | os.PathLike) -> list[tuple[str, int]]:
     """(file name, bytes) of a DCP checkpoint folder, sorted by name."""
     return sorted((entry.name, entry.stat().st_size) for entry in os.scandir(folder) if entry.is_file())
+
+
+def checkpoint_chunks(folder: str | os.PathLike) -> dict[str, dict[str, Any]]:
+    """What a DCP checkpoint's .metadata says it holds: for each tensor with at least one dimension, its whole
+    size and its chunks, each with its offsets, sizes and the file it lies in (FileSystemReader.read_metadata:
+    state_dict_metadata gives the chunks, storage_data maps each chunk to a file)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = FileSystemReader(os.fspath(folder)).read_metadata()
+    files = {(index.fqn, tuple(index.offset or ())): info.relative_path for index, info in metadata.storage_data.items()}
+    return {name: {"size": list(entry.size),
+                   "chunks": sorted(({"offsets": list(chunk.offsets), "sizes": list(chunk.sizes),
+                                      "file": files[(name, tuple(chunk.offsets))]} for chunk in entry.chunks),
+                                    key=lambda chunk: chunk["offsets"])}
+            for name, entry in metadata.state_dict_metadata.items()
+            if isinstance(entry, TensorStorageMetadata) and len(entry.size) > 0}
+
+
+def not_sharded_by_rows(chunks: dict[str, dict[str, Any]], ranks: int) -> list[str]:
+    """The tensors whose chunks are not `ranks` distinct row ranges of equal height, the one starting at row
+    r * rows / ranks in rank r's file (__r_0.distcp), each spanning every other dimension whole. A replicated
+    save (whole tensors, one chunk each) fails this, whichever files DCP spread the whole tensors over."""
+    wrong = []
+    for name, entry in chunks.items():
+        rows, rest = entry["size"][0], entry["size"][1:]
+        expected = [{"offsets": [rank * rows // ranks] + [0] * len(rest), "sizes": [rows // ranks] + rest,
+                     "file": f"__{rank}_0.distcp"} for rank in range(ranks)]
+        if rows % ranks or entry["chunks"] != expected:
+            wrong.append(name)
+    return wrong
 
 
 def load_in_one_process(folder: str | os.PathLike, truth_file: str | os.PathLike) -> dict[str, Any]:

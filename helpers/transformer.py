@@ -177,7 +177,7 @@ def tp_plan(sequence_parallel: bool = True) -> tuple[dict, dict]:
 
 
 def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = True) -> Transformer:
-    """Tensor parallelism over a 1-D mesh with torchtitan's plan (tp_plan)."""
+    """Tensor parallelism over a 1-D mesh, with tp_plan: after torchtitan's plan, simplified."""
     top, block_plan = tp_plan(sequence_parallel)
     parallelize_module(model, tp_mesh, top)
     for block in model.layers.values():

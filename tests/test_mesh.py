@@ -11,6 +11,7 @@ from helpers.mesh import (
     agrees_with_commdebugmode,
     check_mesh_for,
     check_mlp_plan,
+    checkpoint_chunks,
     checkpoint_files,
     expected_counts,
     judge_plan,
@@ -18,6 +19,7 @@ from helpers.mesh import (
     measure_launch,
     measured_counts,
     mesh_groups,
+    not_sharded_by_rows,
 )
 
 WORKERS = Path(__file__).resolve().parent.parent / "helpers" / "workers"
@@ -117,12 +119,19 @@ def test_layouts_match_one_process_and_the_plan():
             seen = run.results[rank][layout]
             assert max(abs(a - b) for a, b in zip(seen["losses"], reference, strict=True)) < 1e-5
             assert seen["grad_gap"] < 1e-6
-            assert seen["rows_step0"] == transformer.rows(transformer.batch(0, 8)[0], seen["dp_index"],
-                                                          {"hsdp": 4, "fsdp_tp": 2}[layout]).tolist()
             counted = measured_counts(seen["counts"])
             assert counted["forward"] == expected_counts(layout)["forward"]
             assert counted["backward"] == expected_counts(layout)["backward"]
             assert agrees_with_commdebugmode(seen["counts"])
+    # As the notebook checks: ranks of one dp index took the same rows, and the dp ranks' rows, joined in dp
+    # order, are the global batch (catches data not split, rows overlapping or missing, tp ranks fed other rows).
+    for layout in ("hsdp", "fsdp_tp"):
+        by_dp = {}
+        for rank in range(4):
+            by_dp.setdefault(run.results[rank][layout]["dp_index"], []).append(run.results[rank][layout]["rows_step0"])
+        assert all(rows == same[0] for same in by_dp.values() for rows in same)
+        assert len(by_dp) == {"hsdp": 4, "fsdp_tp": 2}[layout]
+        assert [row for index in sorted(by_dp) for row in by_dp[index][0]] == transformer.batch(0, 8)[0].tolist()
 
 
 def test_workers_refuse_a_world_that_is_not_2_by_2():
@@ -134,12 +143,19 @@ def test_checkpoint_reshards_bitwise_and_a_changed_value_is_caught(tmp_path):
     folder = tmp_path / "checkpoint"
     common = ["--dir", folder, "--save-at", 2, "--steps", 4]
     saved = launch(WORKERS / "mesh_checkpoint.py", nproc=4, args=["save", *common], echo=False, timeout=120)
-    assert all(saved.results[rank]["in_flight_at_step_start"] for rank in range(4))
+    for rank in range(4):
+        times = saved.results[rank]["times"]
+        assert saved.results[rank]["in_flight_at_step_start"]
+        assert times["write_start"] < times["step_end"] and times["write_end"] > times["step_start"]  # overlap
     files = checkpoint_files(folder / "step-2")
     assert [name for name, _ in files] == [".metadata"] + [f"__{rank}_0.distcp" for rank in range(4)]
     # DCP creates every rank's file even when it is empty: each must hold its quarter of parameters and moments.
     n_params = sum(p.numel() for p in transformer.Transformer().parameters())
     assert all(size >= 3 * n_params for name, size in files if name.endswith(".distcp"))
+    # Sizes cannot tell shards from whole tensors spread over the files; .metadata can: every parameter and
+    # moment is 4 row ranges, rank r's in rank r's file.
+    chunks = checkpoint_chunks(folder / "step-2")
+    assert len(chunks) == 3 * 19 and not_sharded_by_rows(chunks, 4) == []
     loaded = launch(WORKERS / "mesh_checkpoint.py", nproc=4, args=["load", "--layout", "fsdp_tp", *common],
                     echo=False, timeout=120)
     for rank in range(4):
@@ -176,3 +192,18 @@ def test_mesh_for_check_says_what_is_wrong(mesh_for, words, capsys):
 def test_mesh_groups_are_torchs_row_by_row_layout():
     groups = mesh_groups((2, 3), ("dp", "tp"))
     assert groups[4] == {"dp": [1, 4], "tp": [3, 4, 5]}
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # a one-process save, on purpose
+def test_not_sharded_by_rows_rejects_a_replicated_save(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = transformer.Transformer()
+    optimizer = transformer.make_optimizer(model)
+    transformer.train_step(model, optimizer, *transformer.batch(0, 2))  # creates AdamW's moments
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp_path / "whole", no_dist=True)
+    chunks = checkpoint_chunks(tmp_path / "whole")
+    assert len(chunks) == 3 * 19 and all(len(entry["chunks"]) == 1 for entry in chunks.values())
+    assert sorted(not_sharded_by_rows(chunks, 4)) == sorted(chunks)  # every whole tensor is caught

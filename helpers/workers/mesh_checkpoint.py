@@ -8,7 +8,8 @@
 
 save: FSDP2 over every rank trains --save-at steps, then hands model and optimizer state (get_state_dict)
 to dcp.async_save and goes straight on with the next step, noting when async_save returned, when the step
-ran and when torch's future said the write was done; then it trains on to --steps (the uninterrupted run).
+ran, when torch's FileSystemWriter.write_data wrote the files (timed by wrapping it) and when torch's future said
+the write was done; then it trains on to --steps (the uninterrupted run).
 Rank 0 also writes full_state.pt: every value gathered with full_tensor() just before the save, the truth
 the loads are compared with. load: builds the model under --layout (fsdp over all ranks, or fsdp_tp on a
 (dp, tp) mesh), loads the checkpoint with dcp.load and set_state_dict, compares every parameter's and
@@ -76,6 +77,17 @@ def save(args, model, optimizer, dp_index: int, dp_size: int) -> None:
     # The write's collectives run in a background thread: give them a group of their own (gloo works on CPU).
     checkpoint_group = dist.new_group(backend="gloo")
     times = {"called": time.time()}
+    # When the files are written: async_save's writer is torch's FileSystemWriter, whose write_data writes this
+    # rank's items before it returns (filesystem.py, _write_data). We time it in the background thread it runs in.
+    write_data = dcp.FileSystemWriter.write_data
+
+    def timed_write_data(self, *args, **kwargs):
+        times["write_start"] = time.time()
+        written = write_data(self, *args, **kwargs)
+        times["write_end"] = time.time()
+        return written
+
+    dcp.FileSystemWriter.write_data = timed_write_data
     future = dcp.async_save({"model": model_state, "optim": optim_state, "step": args.save_at},
                             checkpoint_id=os.path.join(args.dir, f"step-{args.save_at}"),
                             process_group=checkpoint_group)
@@ -87,6 +99,7 @@ def save(args, model, optimizer, dp_index: int, dp_size: int) -> None:
     times["step_end"] = time.time()
     future.result()
     times["result"] = time.time()
+    dcp.FileSystemWriter.write_data = write_data
     losses += train(model, optimizer, range(args.save_at + 1, args.steps), args.global_batch, dp_index, dp_size)
     result(losses=losses, times=times, in_flight_at_step_start=in_flight_at_step_start)
 
