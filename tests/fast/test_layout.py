@@ -15,7 +15,7 @@ HELPERS = REPO_ROOT / "helpers"
 WORKER_KIT = {"helpers", "helpers.reporting", "helpers.distributed", "helpers.models", "helpers.data",
               "helpers.checkpoint", "helpers.checks", "helpers.tensors", "helpers.instruments",
               "helpers.cpu_data_parallel", "helpers.article", "helpers.rpc_training", "helpers.mystery_data",
-              "helpers.zero_kit", "helpers.transformer",
+              "helpers.zero_kit", "helpers.transformer", "helpers.twin",
               "helpers.launcher.run_folder", "helpers.launcher"}
 
 
