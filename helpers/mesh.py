@@ -97,7 +97,8 @@ def checkpoint_chunks(folder: str | os.PathLike) -> dict[str, dict[str, Any]]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     metadata = FileSystemReader(os.fspath(folder)).read_metadata()
-    files = {(index.fqn, tuple(index.offset or ())): info.relative_path for index, info in metadata.storage_data.items()}
+    files = {(index.fqn, tuple(index.offset or ())): info.relative_path
+             for index, info in metadata.storage_data.items()}
     return {name: {"size": list(entry.size),
                    "chunks": sorted(({"offsets": list(chunk.offsets), "sizes": list(chunk.sizes),
                                       "file": files[(name, tuple(chunk.offsets))]} for chunk in entry.chunks),
@@ -113,7 +114,7 @@ def not_sharded_by_rows(chunks: dict[str, dict[str, Any]], ranks: int) -> list[s
     wrong = []
     for name, entry in chunks.items():
         rows, rest = entry["size"][0], entry["size"][1:]
-        expected = [{"offsets": [rank * rows // ranks] + [0] * len(rest), "sizes": [rows // ranks] + rest,
+        expected = [{"offsets": [rank * rows // ranks] + [0] * len(rest), "sizes": [rows // ranks, *rest],
                      "file": f"__{rank}_0.distcp"} for rank in range(ranks)]
         if rows % ranks or entry["chunks"] != expected:
             wrong.append(name)
