@@ -144,9 +144,7 @@ def test_checkpoint_reshards_bitwise_and_a_changed_value_is_caught(tmp_path):
     common = ["--dir", folder, "--save-at", 2, "--steps", 4]
     saved = launch(WORKERS / "mesh_checkpoint.py", nproc=4, args=["save", *common], echo=False, timeout=120)
     for rank in range(4):
-        times = saved.results[rank]["times"]
         assert saved.results[rank]["in_flight_at_step_start"]
-        assert times["write_start"] < times["step_end"] and times["write_end"] > times["step_start"]  # overlap
     files = checkpoint_files(folder / "step-2")
     assert [name for name, _ in files] == [".metadata"] + [f"__{rank}_0.distcp" for rank in range(4)]
     # DCP creates every rank's file even when it is empty: each must hold its quarter of parameters and moments.

@@ -129,7 +129,7 @@ def main() -> None:
         optimizer = transformer.make_optimizer(model)
         losses, local_losses, counts, stream = [], [], None, {}
         # The residual stream leaving block 0, as this rank holds it: sequence parallelism halves it along the sequence.
-        hook = model.layers["0"].register_forward_hook(lambda _m, _i, out: stream.__setitem__(
+        hook = model.layers["0"].register_forward_hook(lambda _m, _i, out, stream=stream: stream.__setitem__(
             "shape", list((out.to_local() if isinstance(out, DTensor) else out).shape)))
         for step in range(args.steps):
             inputs, targets = (transformer.rows(t, dp_index, dp_size).to(device)
