@@ -6,7 +6,7 @@
 check_step launches helpers/workers/zero_check.py on 2 ranks; check_results decides from what every rank
 handed back. Every number it compares with comes from a formula in this file or from torch's DDP in the same
 run (gradients after step 0, parameters after 5 steps, bucket sizes), and every measured number from the run
-(tensors each rank held, collectives each rank issued).
+(tensors each rank held, collectives each rank issued through torch.distributed's functions).
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def traffic(events: list[dict]) -> dict[str, int]:
         if event["op"] != "mark":
             out[f"{event['op']} calls"] = out.get(f"{event['op']} calls", 0) + 1
             out[f"{event['op']} bytes"] = out.get(f"{event['op']} bytes", 0) + event["bytes"]
-            out["volume"] += VOLUME[event["op"]] * event["bytes"]
+            out["volume"] += VOLUME.get(event["op"], 1) * event["bytes"]
     return out
 
 
@@ -80,7 +80,7 @@ def _first_problem(stage: str, ranks: dict[int, dict]) -> str | None:
         world_size = got["world_size"]
         for name, model in got["models"].items():
             where = f"rank {rank}, model '{name}'"
-            problem = _gradient_problem(stage, model, rank, world_size)
+            problem = _construction_problem(stage, model) or _gradient_problem(stage, model, rank, world_size)
             if problem:
                 return f"{where}: {problem}"
             if model["max_diff"] > TOLERANCE:  # catches a lost gradient, a stale shard, an update not gathered
@@ -93,14 +93,30 @@ def _first_problem(stage: str, ranks: dict[int, dict]) -> str | None:
     return None
 
 
+BROADCASTS = ("broadcast", "_broadcast_coalesced")  # what DDP's constructor issues (_sync_module_states)
+
+
+def _construction_problem(stage: str, model: dict) -> str | None:
+    """The constructor's collectives, logged apart from step 0: a broadcast of rank 0's state is allowed (DDP's
+    constructor does that), anything else is not part of the plan."""
+    ops = sorted({e["op"] for e in model["construction"]} - set(BROADCASTS))
+    if ops:  # catches a constructor that all-reduces or gathers (the parameters start equal on every rank)
+        ddp = sorted({e["op"] for e in model["ddp"]["construction"]})
+        return (f"building the {stage} class issued {ops}; a constructor may broadcast rank 0's parameters (torch's "
+                f"DDP constructor issued {ddp} in the same run), nothing else.")
+    return None
+
+
 def _bucket_problem(model: dict, cap_mb: float) -> str | None:
     # the plan: the buckets torch's DDP all-reduced in the same run, in its last step (after its bucket rebuild)
     plan = [e["bytes"] for e in model["ddp"]["steps"][-1] if e["op"] == "all_reduce"]
+    ddp_ops = sorted({e["op"] for events in model["ddp"]["steps"] for e in events if e["op"] != "mark"})
     for step, events in enumerate(model["impl"]["steps"]):
         calls = [e for e in events if e["op"] != "mark"]
         sizes = [e["bytes"] for e in calls if e["op"] == "all_reduce"]
         if len(calls) != len(sizes):  # catches a broadcast or reduce-scatter where an all-reduce belongs
-            return f"step {step} issued {sorted({e['op'] for e in calls})}; DDP only all-reduces."
+            return (f"step {step} issued {sorted({e['op'] for e in calls})}; torch's DDP issued {ddp_ops} in its "
+                    "steps of the same run (its constructor's broadcast is logged apart).")
         if sizes != plan:  # catches one all-reduce per parameter, a bucket never closed, the wrong order
             return (f"step {step} all-reduced buckets of {sizes} bytes; the bucket plan (the buckets torch's DDP "
                     f"all-reduced in the same run after its rebuild, cap {cap_mb} MiB, gradients back to front) "
@@ -135,6 +151,13 @@ def _zero_problem(stage: str, model: dict, rank: int, world_size: int) -> str | 
     for what, (got, should, formula) in held.items():
         if got != should:
             return f"it holds {got} bytes of {what}; {formula} = {should} ({want['shard']} values per rank)."
+    for step, (backward, after) in enumerate(zip(impl["other"][::2], impl["other"][1::2], strict=True)):
+        for other in (backward, after):  # catches gather buffers or full gradients kept on the side
+            if other["bytes"]:
+                return (f"step {step}, {other['when']}: the class and the model held {other['bytes']} bytes in "
+                        f"{other['tensors']} tensor storage(s) that are none of the parameters, gradients, shards, "
+                        f"shards' gradients or optimizer state (the largest of shape {other['largest']}); free "
+                        "buffers once used.")
     full = 4 * want["shard"] * world_size
     n_params = len(model["numels"])
     gather_calls = 2 * sum(len(unit) for unit in model["units"]) if stage == "zero3" else n_params
@@ -170,8 +193,9 @@ def _zero_problem(stage: str, model: dict, rank: int, world_size: int) -> str | 
 
 
 def _prefetch_problem(events: list[dict], units: list[list[int]], world_size: int) -> str | None:
-    """All-gathers issued by each marker: by the end of unit i's forward, those of units 0..i+1 exactly; by the
-    start of unit i's backward, those of all units in forward and of units i-1..last in backward, exactly."""
+    """All-gathers issued by each marker: by the start of unit i's forward (a pre-hook registered after the class's)
+    and by its end, those of units 0..i+1 exactly; by the start of unit i's backward, those of all units in forward
+    and of units i-1..last in backward, exactly. Order of issue: not a measurement of overlap."""
     unit_bytes = [sum(4 * shard_size(n, world_size) * world_size for n in unit) for unit in units]
     full_bytes = [4 * sum(unit) for unit in units]
     last, issued = len(units) - 1, 0
@@ -179,20 +203,21 @@ def _prefetch_problem(events: list[dict], units: list[list[int]], world_size: in
         if event["op"].startswith("all_gather"):
             issued += event["bytes"]
         label = event.get("label") or ""
-        match = re.fullmatch(r"(forward end|backward start) (\d+)", label)
+        match = re.fullmatch(r"(forward start|forward end|backward start) (\d+)", label)
         if not match:
             continue
-        i = int(match[2])
-        if match[1] == "forward end":
-            if event["held"] > (full_bytes[i + 1] if i < last else 0):  # catches a unit left gathered
+        i, where = int(match[2]), match[1].split(" ")[1]
+        if match[1].startswith("forward"):
+            if where == "end" and event["held"] > (full_bytes[i + 1] if i < last else 0):  # catches a unit left gathered
                 return (f"after unit {i}'s forward this rank still held {event['held']} bytes of full parameters; "
                         "free each unit after its forward (only the next, prefetched unit may be held).")
             want = sum(unit_bytes[: i + 2])
-            if issued < want:  # catches a ZeRO-3 without prefetch
-                return f"unit {i + 1}'s all-gather was not issued before unit {i}'s forward ended (no prefetch)."
+            if issued < want:  # catches no prefetch, and a prefetch issued only after unit i computed
+                return (f"unit {min(i + 1, last)}'s all-gather was not issued by the {where} of unit {i}'s forward "
+                        f"(issue it before unit {i} computes, so that it can overlap that compute).")
             if issued > want:  # catches gathering further ahead (every unit at once: the whole model resident)
-                return (f"by the end of unit {i}'s forward this rank had issued all-gathers of {issued} bytes, more "
-                        f"than units 0..{min(i + 1, last)} need ({want}): gather only the next unit ahead.")
+                return (f"by the {where} of unit {i}'s forward this rank had issued all-gathers of {issued} bytes, "
+                        f"more than units 0..{min(i + 1, last)} need ({want}): gather only the next unit ahead.")
         else:
             want = sum(unit_bytes) + sum(unit_bytes[max(i - 1, 0):])
             if issued < want:  # catches a backward without prefetch
@@ -215,7 +240,10 @@ def check_results(stage: str, ranks: dict[int, dict]) -> bool:
     what = {"bucketed": "the bucket plan's all-reduces, started during backward",
             "zero1": "Adam state 8 bytes x shard; reduce-scatter + all-gather",
             "zero2": "Adam state and gradients sharded; reduce-scatter during backward",
-            "zero3": "parameters, gradients, Adam state sharded; next unit prefetched, forward and backward"}[stage]
+            "zero3": "parameters, gradients, Adam state sharded; each unit's all-gather issued before the unit "
+                     "before it computes, forward and backward"}[stage]
+    if stage != "bucketed":
+        what += "; no other tensor in the class or the model after backward or after the step"
     return correct(f"{stage} equals DDP + AdamW on every rank for mlp, odd and tied ({what}); bytes handed to "
                    f"collectives per step, weighted as the ZeRO paper does, {volume / ddp_volume:.2f}x DDP's for mlp.")
 
@@ -383,6 +411,7 @@ def order_figure(checked: Checked | None, model: str = "mlp", step: int = 1) -> 
     for event in events:
         if event["op"] == "mark":  # markers with no collective between them share one line
             labels.setdefault(x, []).append(event["label"].replace("forward end ", "fwd end ")
+                                             .replace("forward start ", "fwd start ")
                                              .replace("backward start ", "bwd start "))
             continue
         ax.bar(x, event["bytes"], color="tab:blue" if event["op"].startswith("all_gather") else "tab:orange")

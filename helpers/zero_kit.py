@@ -9,11 +9,15 @@ and a log of the collectives a process issues.
 - `free_storage` / `alloc_storage`: what FSDP2 does to an unsharded parameter between uses
   (`_fsdp_param.py`, `alloc_storage` and `free_storage`): the tensor keeps its shape, its storage goes to
   0 bytes and back.
-- `CommLog`: replaces the collectives on the `torch.distributed` namespace with wrappers that record each
-  call (operation, bytes of the full, unsharded tensor, async_op) in order, then call torch's function.
-  A call counts only if it goes through `torch.distributed.<name>`: that is how the learner's classes,
-  `ZeroRedundancyOptimizer` (dist.broadcast), DDP's default comm hook (dist.all_reduce) and FSDP2
-  (dist.all_gather_single, dist.reduce_scatter_single) call them in torch 2.14.
+- `CommLog`: replaces the collectives and point-to-point calls on the `torch.distributed` namespace (the names in
+  `LOGGED`: every public collective, send/recv, barrier, the object collectives, and DDP's private
+  `_broadcast_coalesced`) with wrappers that record each call (operation, bytes of the full, unsharded tensor,
+  async_op) in order, then call torch's function. A call counts only if it goes through `torch.distributed.<name>`:
+  that is how the learner's classes, `ZeroRedundancyOptimizer` (dist.broadcast), DDP's constructor
+  (dist._broadcast_coalesced, torch/distributed/utils.py:339), DDP's default comm hook (dist.all_reduce) and FSDP2
+  (dist.all_gather_single, dist.reduce_scatter_single) call them in torch 2.14. Not seen: a method called on a
+  ProcessGroup object itself (`group.allreduce(...)`), a call through `torch.distributed.distributed_c10d.<name>`,
+  and C++ callers (DDP's reducer without a Python comm hook).
 Imports only torch: workers and the notebook both use it.
 """
 from __future__ import annotations
@@ -31,6 +35,12 @@ _FULL_TENSOR = {
     "all_gather_into_tensor": (0, "output_tensor"), "all_gather_single": (0, "output_tensor"),
     "all_gather": (0, "tensor_list"), "reduce_scatter": (1, "input_list"),
 }
+# the rest of torch.distributed's collectives and point-to-point calls: bytes of the first tensor (or list of them)
+_OTHERS = ("reduce", "gather", "scatter", "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv",
+           "batch_isend_irecv", "barrier", "monitored_barrier", "all_reduce_coalesced", "all_gather_coalesced",
+           "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list", "send_object_list",
+           "recv_object_list", "_broadcast_coalesced")
+LOGGED = tuple(_FULL_TENSOR) + _OTHERS
 
 
 def shard_size(numel: int, world_size: int) -> int:
@@ -68,23 +78,41 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(storages.values())
 
 
+def storage_key(tensor: torch.Tensor) -> int:
+    """Which storage a tensor uses: the same number for every view of it, while it lives."""
+    return tensor.untyped_storage()._cdata
+
+
 def _nbytes(value) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
     if isinstance(value, (list, tuple)):
-        return sum(t.numel() * t.element_size() for t in value)
-    return value.numel() * value.element_size()
+        return sum(_nbytes(v) for v in value)
+    if hasattr(value, "tensor"):  # a P2POp of batch_isend_irecv
+        return _nbytes(value.tensor)
+    return 0
+
+
+def _first_tensors(args, kwargs):
+    for value in list(args) + list(kwargs.values()):
+        if isinstance(value, torch.Tensor) or (isinstance(value, (list, tuple)) and value
+                                               and (isinstance(value[0], torch.Tensor) or hasattr(value[0], "tensor"))):
+            return value
+    return []
 
 
 class CommLog:
-    """Records every collective issued through torch.distributed while installed (the list `events`)."""
+    """Records every call of the names in LOGGED through torch.distributed while installed (the list `events`)."""
 
     def __init__(self) -> None:
         self.events: list[dict] = []
         self._originals: dict = {}
 
     def install(self) -> CommLog:
-        for name, (position, keyword) in _FULL_TENSOR.items():
-            original = self._originals[name] = getattr(dist, name)
-            setattr(dist, name, self._wrap(name, original, position, keyword))
+        for name in LOGGED:
+            if hasattr(dist, name):
+                original = self._originals[name] = getattr(dist, name)
+                setattr(dist, name, self._wrap(name, original, *_FULL_TENSOR.get(name, (None, None))))
         return self
 
     def uninstall(self) -> None:
@@ -94,7 +122,10 @@ class CommLog:
 
     def _wrap(self, name, original, position, keyword):
         def recorded(*args, **kwargs):
-            full = kwargs[keyword] if keyword in kwargs else args[position]
+            if position is None:
+                full = _first_tensors(args, kwargs)
+            else:
+                full = kwargs[keyword] if keyword in kwargs else args[position]
             self.events.append({"op": name, "bytes": _nbytes(full), "async": bool(kwargs.get("async_op"))})
             return original(*args, **kwargs)
         return recorded

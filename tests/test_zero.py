@@ -70,7 +70,8 @@ MUTATIONS = {
                       "            averages")], "must start during backward"),
     "bucketed, an extra broadcast": (
         "bucketed", [("            work.wait()\n            averages", "            work.wait()\n"
-                      "            dist.broadcast(flat, src=0)\n            averages")], "DDP only all-reduces"),
+                      "            dist.broadcast(flat, src=0)\n            averages")],
+        "step 0 issued ['all_reduce', 'broadcast']; torch's DDP issued ['all_reduce'] in its steps of the same run"),
     "zero1, all-gathers twice": (
         "zero1", [("            self._all_gather(p)\n\n    def zero_grad",
                    "            self._all_gather(p)\n            self._all_gather(p)\n\n    def zero_grad")],
@@ -96,12 +97,12 @@ MUTATIONS = {
     "zero3, no prefetch": (
         "zero3", [("        self._start_gather(prefetch)  # the next unit's all-gather runs while this unit computes\n",
                    "")],
-        "was not issued before unit 0's forward ended"),
+        "unit 1's all-gather was not issued by the start of unit 0's forward"),
     "zero3, gathers every unit at the start of forward": (  # LL-3, the reader's M1
         "zero3", [("        self._start_gather(prefetch)  # the next unit's all-gather runs while this unit computes\n",
                    "        for j in range(len(self.units)) if prefetch == 1 else [prefetch]:\n"
                    "            self._start_gather(j)\n")],
-        "by the end of unit 0's forward this rank had issued all-gathers of 17704 bytes, more than units 0..1 need"),
+        "by the start of unit 0's forward this rank had issued all-gathers of 17704 bytes, more than units 0..1 need"),
     "zero3, no backward prefetch": (  # LL-4, the reader's M5
         "zero3", [("self._gather(i, prefetch=i - 1)", "self._gather(i, prefetch=-1)")],
         "unit 1's all-gather was not issued when unit 2's backward started (no backward prefetch)"),
@@ -116,7 +117,52 @@ MUTATIONS = {
     "zero3, all-gathers in step()": (
         "zero3", [("        self.optimizer.step()  # no all-gather: the next forward gathers each unit "
                    "when it needs it\n", "        super().step()\n")], "bytes of parameters after the step"),
+    # the second fresh reader's wrong classes (fc09b)
+    "zero1, an extra dist.reduce per parameter (NEW-2: every dist collective is logged)": (
+        "zero1", [("        shard = self.shards[p]\n        summed",
+                   "        dist.reduce(p.grad.clone(), dst=0)\n        shard = self.shards[p]\n        summed")],
+        "model 'mlp': step 0 issued ['reduce']; the plan is reduce-scatters and all-gathers only"),
+    "zero3, keeps every all-gather buffer (NEW-1)": (
+        "zero3", [("                self.gathering[i].append((p, full, work))",
+                   "                self.gathering[i].append((p, full, work))\n"
+                   "                self.__dict__.setdefault('kept', {})[p] = full")],
+        "step 0, when backward ended: the class and the model held 17704 bytes in 6 tensor storage(s) that are none "
+        "of the parameters, gradients, shards, shards' gradients or optimizer state (the largest of shape [2304])"),
+    "zero2, keeps the full gradients on the side (NEW-1)": (
+        "zero2", [("        p.grad = None  # the full gradient is freed during backward",
+                   "        self.__dict__.setdefault('kept', {})[p] = p.grad\n        p.grad = None")],
+        "step 0, when backward ended: the class and the model held 17704 bytes in 6 tensor storage(s) that are none "
+        "of the parameters, gradients, shards, shards' gradients or optimizer state (the largest of shape [48, 48])"),
+    "zero3, starts the next unit's all-gather only after this unit's forward (NEW-4)": (
+        "zero3", [("self._gather(i, prefetch=i + 1))", "self._gather(i, prefetch=-1))"),
+                  ("lambda module, args, output, i=i: self._free(i))",
+                   "lambda module, args, output, i=i: [self._start_gather(i + 1), self._free(i)] and None)")],
+        "model 'mlp': step 0: unit 1's all-gather was not issued by the start of unit 0's forward (issue it before "
+        "unit 0 computes"),
+    "zero1, all-reduces the parameters in its constructor (NEW-3: only a broadcast may be issued there)": (
+        "zero1", [("        self.optimizer = optimizer_class(list(self.shards.values()), **kwargs)",
+                   "        self.optimizer = optimizer_class(list(self.shards.values()), **kwargs)\n"
+                   "        for p in self.params:\n            dist.all_reduce(p.data)")],
+        "building the zero1 class issued ['all_reduce']; a constructor may broadcast rank 0's parameters (torch's DDP "
+        "constructor issued ['_broadcast_coalesced'] in the same run), nothing else."),
 }
+
+CONSTRUCTOR_BROADCASTS = {  # the reader's b_ and g_: what DDP's constructor does, in ours; they must pass
+    "bucketed": ("        self.ready, self.in_flight = [0] * len(self.buckets), []\n\n    def forward",
+                 "        self.ready, self.in_flight = [0] * len(self.buckets), []\n"
+                 "        for p in module.parameters():\n            dist.broadcast(p.data, src=0)\n\n    def forward"),
+    "zero1": ("        self.params = [p for p in params if p.requires_grad]\n",
+              "        self.params = [p for p in params if p.requires_grad]\n"
+              "        for p in self.params:\n            dist.broadcast(p.data, src=0)\n"),
+}
+
+
+@pytest.mark.parametrize("stage", sorted(CONSTRUCTOR_BROADCASTS))
+def test_a_broadcast_in_the_constructor_is_not_charged_to_step_0(stage, tmp_path, capsys):
+    checked = check_step(stage, mutated(tmp_path, [CONSTRUCTOR_BROADCASTS[stage]]))
+    assert checked, capsys.readouterr().out
+    construction = checked.results[0]["models"]["mlp"]["construction"]
+    assert [e["op"] for e in construction] == ["broadcast"] * 6  # logged apart from step 0, one per parameter
 
 
 def mutated(tmp_path: Path, replacements: list[tuple[str, str]]) -> Path:

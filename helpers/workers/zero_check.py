@@ -7,14 +7,16 @@
 mlp, odd = no tensor divides by 2, tied = one weight shared) it trains 5 AdamW steps on each rank's own data,
 with the class under test and with torch's DistributedDataParallel (and, for zero3, FSDP2's fully_shard),
 from the same weights. Each rank hands back: how far its gradients after step 0 are from DDP's averaged ones,
-its parameters and shards, the bytes its tensors hold (read from the tensors), every collective issued in each
-step (helpers.zero_kit.CommLog; torch's DDP is counted through its default comm hook, which calls
-dist.all_reduce), and markers for the end of backward and of each unit's forward and the start of each unit's
-backward. helpers/zero.py reads the results and decides. Works with one process.
+its parameters and shards, the bytes its tensors hold (read from the tensors), for ZeRO the bytes of every other
+tensor reachable from the class's object and the model (reachable_tensors), the collectives issued while the
+class was built and in each step (helpers.zero_kit.CommLog; torch's DDP is counted through its default comm hook,
+which calls dist.all_reduce), and markers for the end of backward, the start and end of each unit's forward and the
+start of each unit's backward. helpers/zero.py reads the results and decides. Works with one process.
 """
 import argparse
 import importlib.util
 import sys
+import types
 from pathlib import Path
 
 import torch
@@ -25,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from helpers.distributed import init_distributed
 from helpers.reporting import result
-from helpers.zero_kit import CommLog, build_model, padded_flat, storage_bytes
+from helpers.zero_kit import CommLog, build_model, padded_flat, storage_bytes, storage_key
 
 CLASSES = {"bucketed": "BucketedDDP", "zero1": "Zero1", "zero2": "Zero2", "zero3": "Zero3"}
 MODELS, STEPS, LR, CAP_MB = ("mlp", "odd", "tied"), 5, 1e-2, 0.01  # cap 10 KiB: the mlp makes 2 buckets
@@ -46,30 +48,79 @@ def batch(width: int, rank: int, step: int, device: torch.device) -> tuple[torch
     return torch.randn(8, width, generator=generator).to(device), torch.randn(8, generator=generator).to(device)
 
 
-def train(model, optimizer, width, device, rank, after_backward=None, mark_units=(), grads=None) -> dict:
+def reachable_tensors(*roots) -> list[torch.Tensor]:
+    """Every tensor reachable from `roots` (the class's object, the model) through attributes of objects, modules,
+    dicts, lists, tuples and sets; not through functions (hooks) or C++ objects. A tensor kept anywhere else (a
+    module-level global, a pending collective) is not seen."""
+    seen, found, todo = set(), [], list(roots)
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            found.append(obj)
+        elif isinstance(obj, dict):
+            todo += list(obj.keys()) + list(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            todo += list(obj)
+        elif hasattr(obj, "__dict__") and not isinstance(obj, (type, types.ModuleType, types.FunctionType,
+                                                                   types.MethodType)):
+            todo += list(vars(obj).values())
+    return found
+
+
+def other_tensors(roots, known) -> dict:
+    """Bytes of the tensor storages reachable from `roots` that are none of `known` (the class's parameters,
+    gradients, shards, their gradients, optimizer state): their count, total bytes, and the shape of the largest."""
+    skip = {storage_key(t) for t in known if t is not None}
+    other = {}
+    for tensor in reachable_tensors(*roots):
+        key = storage_key(tensor)
+        if key not in skip and tensor.untyped_storage().size():
+            other[key] = max(other.get(key, (0, ())), (tensor.untyped_storage().size(), tuple(tensor.shape)))
+    largest = max(other.values(), default=(0, ()))
+    return {"tensors": len(other), "bytes": sum(size for size, _ in other.values()), "largest": list(largest[1])}
+
+
+def train(model, optimizer, width, device, rank, after_backward=None, mark_units=(), grads=None,
+          count_others: bool = False) -> dict:
     """5 steps; the collectives of each step, and the bytes held after each step's backward and after it.
 
-    grads: a dict that receives, after step 0, each parameter's .grad and each shard's .grad (by tensor)."""
+    grads: a dict that receives, after step 0, each parameter's .grad and each shard's .grad (by tensor).
+    count_others: count, after backward and after the step, the tensors reachable from the class and the model
+    that are none of its parameters, gradients, shards, their gradients or optimizer state (record["other"])."""
     for i, unit in enumerate(mark_units):  # run after the class's own hooks, registered before these
+        unit.register_forward_pre_hook(lambda *_, i=i: log.mark(f"forward start {i}"))
         unit.register_forward_hook(lambda *_, i=i: log.mark(f"forward end {i}",
                                                             held=storage_bytes(model.parameters())))
         unit.register_full_backward_pre_hook(lambda *_, i=i: log.mark(f"backward start {i}"))
-    record = {"steps": [], "grad_bytes": [], "param_bytes": [], "state_bytes": []}
+    record = {"steps": [], "grad_bytes": [], "param_bytes": [], "state_bytes": [], "other": []}
     parameters = list(model.parameters()) + list(getattr(optimizer, "shards", {}).values())
+    local = getattr(optimizer, "optimizer", optimizer)
+
+    def others() -> dict:  # everything else the class and the model hold in tensors, bytes
+        known = parameters + [t.grad for t in parameters] + [v for s in local.state.values() for v in s.values()
+                                                            if torch.is_tensor(v)]
+        return other_tensors((optimizer, model), known)
+
     for step in range(STEPS):
         inputs, targets = batch(width, rank, step, device)
         loss = (model(inputs).sum(dim=-1) - targets).pow(2).mean()
         loss.backward()
         log.mark("backward end", held=storage_bytes(model.parameters()))
+        if count_others:
+            record["other"].append({"when": "when backward ended", **others()})
         if after_backward:
             after_backward()
         record["grad_bytes"].append(storage_bytes(p.grad for p in parameters))
         optimizer.step()
         if step == 0 and grads is not None:  # the gradients the optimizer has just used (before zero_grad)
             grads.update({t: t.grad.detach().clone() for t in parameters if t.grad is not None})
+        if count_others:
+            record["other"].append({"when": "after step()", **others()})
         record["steps"].append(log.take())
         record["param_bytes"].append(storage_bytes(parameters))
-        local = getattr(optimizer, "optimizer", optimizer)
         record["state_bytes"].append(storage_bytes(v for s in local.state.values() for k, v in s.items()
                                                    if k in ("exp_avg", "exp_avg_sq")))
         optimizer.zero_grad()
@@ -100,20 +151,24 @@ def run_model(name: str, stage: str, cls, rank: int, device: torch.device) -> di
     reference, _, width = build_model(name)
     ddp = DDP(reference.to(device), bucket_cap_mb=CAP_MB)
     ddp.register_comm_hook(None, allreduce_hook)  # torch's default hook: one dist.all_reduce per bucket
+    out_construction = log.take()  # DDP's constructor broadcasts rank 0's parameters (_sync_module_states)
     ddp_grads, impl_grads = {}, {}
     out = {"ddp": train(ddp, torch.optim.AdamW(ddp.parameters(), lr=LR), width, device, rank, grads=ddp_grads)}
+    out["ddp"]["construction"] = out_construction
     model, units, _ = build_model(name)
     model = model.to(device)
     if stage == "bucketed":
         model = cls(model, bucket_cap_mb=CAP_MB)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        out["construction"] = log.take()  # the collectives of the constructor, not of step 0
         out["impl"] = train(model, optimizer, width, device, rank, model.finish_gradient_synchronization,
                             grads=impl_grads)
     else:
         optimizer = (cls(model, units, torch.optim.AdamW, lr=LR) if stage == "zero3"
                      else cls(model.parameters(), torch.optim.AdamW, lr=LR))
+        out["construction"] = log.take()  # the collectives of the constructor, not of step 0
         out["impl"] = train(model, optimizer, width, device, rank, mark_units=units if stage == "zero3" else (),
-                            grads=impl_grads)
+                            grads=impl_grads, count_others=True)
     names = {p: n for n, p in reference.named_parameters()}
     full = {names[q]: p.detach() for p, q in zip(model.parameters(), reference.parameters(), strict=True)}
     out["shards"], out["grads"] = {}, {}  # grads: step 0's gradient (bucketed) or gradient shard (ZeRO) vs DDP's
