@@ -27,13 +27,14 @@ ALL_REDUCE_THEN_KEEP_SHARD = (
     "full = padded_flat(p.grad, self.world_size)\n        dist.all_reduce(full)\n"
     "        summed = full.chunk(self.world_size)[self.rank].clone()")
 
-STASH = (  # keeps the full gradients out of .grad (the memory check reads .grad), reduce-scatters them in step()
+STASH = (  # keeps the full gradients in a module-level global (neither .grad nor reachable from the class: the
+    # memory checks do not see it, as the lesson says), reduce-scatters them in step(): the ordering check catches it
     ("        self._reduce_scatter(p)\n        p.grad = None  # the full gradient is freed during backward",
-     "        self.__dict__.setdefault('stash', []).append((p, p.grad))\n        p.grad = None\n"
+     "        globals().setdefault('_STASH', []).append((p, p.grad))\n        p.grad = None\n"
      "        self.shards[p].grad = torch.zeros_like(self.shards[p])  # the shard's gradient, preallocated"),
     ("    def step(self) -> None:\n        self.optimizer.step()\n"
      "        for p in self.params:\n            self._all_gather(p)",
-     "    def step(self) -> None:\n        for p, grad in self.__dict__.pop('stash', []):\n            p.grad = grad\n"
+     "    def step(self) -> None:\n        for p, grad in globals().pop('_STASH', []):\n            p.grad = grad\n"
      "            self._reduce_scatter(p)\n            p.grad = None\n        self.optimizer.step()\n"
      "        for p in self.params:\n            self._all_gather(p)"),
 )
