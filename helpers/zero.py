@@ -240,8 +240,8 @@ def check_results(stage: str, ranks: dict[int, dict]) -> bool:
     what = {"bucketed": "the bucket plan's all-reduces, started during backward",
             "zero1": "Adam state 8 bytes x shard; reduce-scatter + all-gather",
             "zero2": "Adam state and gradients sharded; reduce-scatter during backward",
-            "zero3": "parameters, gradients, Adam state sharded; each unit's all-gather issued before the unit "
-                     "before it computes, forward and backward"}[stage]
+            "zero3": "parameters, gradients, Adam state sharded; unit i+1's all-gather issued before unit i's "
+                     "forward computes, unit i-1's before unit i's backward"}[stage]
     if stage != "bucketed":
         what += "; no other tensor in the class or the model after backward or after the step"
     return correct(f"{stage} equals DDP + AdamW on every rank for mlp, odd and tied ({what}); bytes handed to "
