@@ -36,7 +36,8 @@ _FULL_TENSOR = {
     "all_gather": (0, "tensor_list"), "reduce_scatter": (1, "input_list"),
 }
 # the rest of torch.distributed's collectives and point-to-point calls: bytes of the first tensor (or list of them)
-_OTHERS = ("reduce", "gather", "scatter", "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv",
+_OTHERS = ("reduce", "gather", "gather_into_tensor", "gather_single", "scatter", "all_to_all", "all_to_all_single",
+           "send", "recv", "isend", "irecv",
            "batch_isend_irecv", "barrier", "monitored_barrier", "all_reduce_coalesced", "all_gather_coalesced",
            "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list", "send_object_list",
            "recv_object_list", "_broadcast_coalesced")
