@@ -137,7 +137,9 @@ def held_by_stage(layers: int, width: int, hidden: int, world_size: int) -> dict
     Run inside `simulated_world(world_size, rank)`. Which parts each stage shards is the ZeRO paper's definition;
     every size is torch's: replicated parts from `held_replicated`, sharded ones from `held_sharded` (FSDP2's
     shards, the gradients its reduce-scatter left, the moments torch.optim.Adam made for the shards).
-    PyTorch has no ZeRO-1/2 wrapper with this layout, so those two stages are assembled from the two runs."""
+    PyTorch has no ZeRO-1/2 wrapper with this layout, so those two stages are assembled from the two runs: this is
+    the paper's accounting (a separate bf16 copy of weights and gradients) applied to torch's tensor sizes, not the
+    layout any torch setup keeps (autocast and FSDP2's MixedPrecisionPolicy keep fp32 weights and gradients)."""
     replicated = held_replicated(layers, width, hidden)
     sharded = held_sharded(layers, width, hidden, world_size)
     return {stage: {part: (sharded if part in SHARDED_PARTS[stage] else replicated)[part] for part in replicated}
@@ -244,7 +246,7 @@ def collective_counts(mesh_shape: tuple[int, int], sequence_parallel: bool = Tru
 
     dp, tp = mesh_shape
     # lesson 10's Transformer returns a view from its root FSDP module; FSDP2 warns about in-place ops on it, and
-    # train_step makes none (fsdp/_fully_shard/_fsdp_state.py:336)
+    # train_step makes none (fsdp/_fully_shard/_fsdp_state.py:448-449)
     with simulated_world(dp * tp, rank), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
         mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp"))
@@ -384,7 +386,10 @@ def planner_figure(billions: float = 7.5, dp: int = 64, tp: int = 1, pp: int = 1
     middle.bar(list(chosen["traffic"]), sent, color="tab:purple")
     for x, value in enumerate(sent):
         middle.text(x, value, f"{value:.3g}", ha="center", va="bottom", fontsize="small")
-    middle.set(ylabel="GB sent per rank per step", title=f"{stage}: traffic by mesh dimension",
+    # plan's fixed shape (lesson 10's 2 blocks, 4096 tokens x 4096 hidden per micro-batch) whatever the model size:
+    # tp traffic grows with blocks, so it is printed on the panel rather than implied by the parameter count.
+    middle.set(ylabel="GB sent per rank per step",
+               title=f"{stage}: traffic by mesh dimension\n(tp, pp at a fixed 2 blocks, 4096 x 4096 activations)",
                ylim=(0, 1.15 * max(max(sent), 1e-9)))
     m = list(range(1, 65))
     for stages in sorted({2, 4, 8} - {pp}):
@@ -479,13 +484,14 @@ def predict_step_seconds(mode: str, *, n_params: int, tensors: int, batch: int, 
                          bucket_bytes: list[int]) -> dict[str, float]:
     """Our prediction of one training step on 2 ranks, in parts: compute, optimizer, communication (seconds).
 
-    compute: 6 x parameters x rows / FLOP rate (forward 2, backward 4 multiply-adds per parameter and row, for a
-    stack of Linear layers), from one measured matmul. optimizer: the measured Adam step, on all parameters or
-    (ZeRO-1, FSDP) on half. communication, from lesson 01's 2-rank fit t = latency + bytes / bandwidth, with no
-    overlap: DDP all-reduces each of its buckets; ZeRO-1 also broadcasts every parameter tensor from its owner
-    (ZeroRedundancyOptimizer._sync_params, torch/distributed/optim/zero_redundancy_optimizer.py:813-826), each a
-    one-way message (latency / 2 + bytes / bandwidth); FSDP2 all-gathers every layer twice and reduce-scatters it
-    once, each rank sending half (latency / 2 + bytes / (2 bandwidth)). "local" is the control with no peer.
+    compute: 6 x parameters x rows / FLOP rate (forward 2, backward 4 FLOPs per parameter and row, a multiply-add
+    being 2 FLOPs, for a stack of Linear layers), from one measured matmul. optimizer: the measured Adam step, on
+    all parameters or (ZeRO-1, FSDP) on half. communication, from lesson 01's 2-rank fit t = latency + bytes /
+    bandwidth, with no overlap: DDP all-reduces each of its buckets; ZeRO-1 also broadcasts every parameter tensor
+    from its owner (ZeroRedundancyOptimizer._sync_params,
+    torch/distributed/optim/zero_redundancy_optimizer.py:813-826), each a one-way message (latency / 2 + bytes /
+    bandwidth); FSDP2 all-gathers every layer twice and reduce-scatters it once, each rank sending half (latency / 2
+    + bytes / (2 bandwidth)). "local" is the control with no peer.
     """
     model_bytes = 4 * n_params
     parts = {"compute": 6 * n_params * batch / flop_rate,

@@ -8,7 +8,7 @@ the data). helpers.twin.tp_record runs the steps, the same function the notebook
 Each rank hands back, per step, its loss, and its local gradients and parameters as exact float lists; every
 module's output in the first forward; and
 what all_reduce and reduce_scatter give for four values whose float32 sum depends on the order of addition.
-Works with one process.
+CPU and gloo only, also where GPUs exist (see main). Works with one process.
 """
 import argparse
 
@@ -29,7 +29,9 @@ def main() -> None:
     parser.add_argument("--no-sequence-parallel", action="store_true")
     args = parser.parse_args()
 
-    rank, world_size, device = init_distributed()
+    # gloo and the CPU, also where GPUs exist: the notebook's twin runs on the CPU, so a bitwise compare is only
+    # meaningful against CPU kernels (cuBLAS would differ), and on a one-GPU machine rank 1 would ask for cuda:1.
+    rank, world_size, device = init_distributed("gloo")
     mesh = init_device_mesh(device.type, (world_size,))
     batches = [tuple(t.to(device) for t in batch(step, args.global_batch)) for step in range(args.steps)]
     record = tp_record(mesh, batches, sequence_parallel=not args.no_sequence_parallel)
