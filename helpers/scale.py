@@ -264,6 +264,35 @@ def collective_counts(mesh_shape: tuple[int, int], sequence_parallel: bool = Tru
     return counts
 
 
+def named_counts(comm_counts: dict[str, int]) -> dict[str, int]:
+    """CommDebugMode's {op: count} (op as a string) as {"all_gather": ..., ...}; an unknown op raises KeyError."""
+    named: dict[str, int] = {}
+    for op, count in comm_counts.items():
+        name = _OP_NAMES[str(op)][1]
+        named[name] = named.get(name, 0) + count
+    return dict(sorted(named.items()))
+
+
+def tp_step_counts(world_size: int) -> dict[str, dict[str, int]]:
+    """The twin's layout (lesson 10's TP plan with SP on a 1-D mesh, no FSDP) on the fake backend: the first step's
+    collectives, counted apart for forward + backward and for the optimizer step (CommDebugMode)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from helpers.transformer import Transformer, apply_tp, batch, loss_fn, make_optimizer
+
+    with simulated_world(world_size):
+        model = apply_tp(Transformer(seed=0), init_device_mesh("cpu", (world_size,)), True)
+        optimizer = make_optimizer(model)
+        inputs, targets = batch(0, 4)
+        with CommDebugMode() as passes:
+            loss_fn(model(inputs), targets).backward()
+        with CommDebugMode() as update:
+            optimizer.step()
+    return {"forward+backward": named_counts(passes.get_comm_counts()),
+            "optimizer": named_counts(update.get_comm_counts())}
+
+
 def tp_collectives(blocks: int) -> dict[str, int]:
     """Our formula for the tensor-parallel collectives of one step of lesson 10's plan with sequence parallelism
     (helpers.transformer.tp_plan). Without sequence parallelism is the lesson's exercise.

@@ -27,8 +27,15 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def tp_record(mesh: DeviceMesh, batches: list[tuple[torch.Tensor, torch.Tensor]],
-              sequence_parallel: bool = True) -> list[dict[str, Any]]:
-    """Train lesson 10's transformer, tensor-parallel over `mesh`, one step per batch; return what each step left."""
+              sequence_parallel: bool = True, count_first_step: bool = False) -> list[dict[str, Any]]:
+    """Train lesson 10's transformer, tensor-parallel over `mesh`, one step per batch; return what each step left.
+
+    count_first_step: also count the collectives of the first step (forward, backward, optimizer step) with
+    CommDebugMode, as {op name: count} in record[0]["comm_counts"] (the real run does; the twin does not)."""
+    import contextlib
+
+    from torch.distributed.tensor.debug import CommDebugMode
+
     model = apply_tp(Transformer(seed=0).to(mesh.device_type), mesh, sequence_parallel)
     optimizer = make_optimizer(model)
     outputs: dict[str, torch.Tensor] = {}  # the first step's module outputs, in the order forward produced them
@@ -42,17 +49,21 @@ def tp_record(mesh: DeviceMesh, batches: list[tuple[torch.Tensor, torch.Tensor]]
     hooks = [module.register_forward_hook(keep(name)) for name, module in model.named_modules() if name]
     record = []
     for inputs, targets in batches:
-        loss = loss_fn(model(inputs), targets)
-        for handle in hooks:
-            handle.remove()
-        hooks = []
-        loss.backward()
-        grads = {name: local(p.grad).clone() for name, p in model.named_parameters()}
-        optimizer.step()
-        optimizer.zero_grad()
+        counter = CommDebugMode() if count_first_step and not record else None
+        with counter if counter is not None else contextlib.nullcontext():
+            loss = loss_fn(model(inputs), targets)
+            for handle in hooks:
+                handle.remove()
+            hooks = []
+            loss.backward()
+            grads = {name: local(p.grad).clone() for name, p in model.named_parameters()}
+            optimizer.step()
+            optimizer.zero_grad()
         params = {name: local(p.detach()).clone() for name, p in model.named_parameters()}
         first_step_outputs = outputs if not record else {}
         record.append({"loss": loss.detach(), "grads": grads, "params": params, "outputs": first_step_outputs})
+        if counter is not None:
+            record[0]["comm_counts"] = {str(op): n for op, n in counter.get_comm_counts().items()}
     return record
 
 

@@ -223,3 +223,16 @@ def test_step_time_worker_measures_every_mode_and_both_controls():
     assert set(measured["step_seconds"]) == {"local", "ddp", "zero1", "fsdp", "fsdp_alone"}
     assert all(t > 0 for t in [*measured["step_seconds"].values(), *measured["sweep_seconds"]])
     assert measured["n_params"] == 2 * (64 * 64 + 64) and measured["tensors"] == 4 and measured["flop_rate"] > 0
+
+
+def test_tp_step_counts_split_passes_from_the_optimizer_and_names_refuse_unknown_ops():
+    from helpers.scale import named_counts, tp_step_counts
+
+    counts = tp_step_counts(2)
+    # the twin's layout: section 3's TP all-gathers and reduce-scatters in the passes, the norm weights' partial
+    # gradients all-reduced three times each in AdamW's update; catches a count that moved between the two
+    assert counts == {"forward+backward": {"all_gather": 11, "reduce_scatter": 10}, "optimizer": {"all_reduce": 15}}
+    assert named_counts({"c10d_functional.all_reduce": 2, "c10d._allgather_base_": 1}) == {"all_gather": 1,
+                                                                                        "all_reduce": 2}
+    with pytest.raises(KeyError):
+        named_counts({"c10d_functional.all_to_all_single": 1})  # an op the table does not know: a torch change

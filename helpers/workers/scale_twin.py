@@ -7,6 +7,7 @@ Every rank builds the same model (seed 0), shards it over a 1-D mesh of all rank
 the data). helpers.twin.tp_record runs the steps, the same function the notebook runs under LocalTensorMode.
 Each rank hands back, per step, its loss, and its local gradients and parameters as exact float lists; every
 module's output in the first forward; and
+CommDebugMode's count of the first step's collectives; and
 what all_reduce and reduce_scatter give for four values whose float32 sum depends on the order of addition.
 CPU and gloo only, also where GPUs exist (see main). Works with one process.
 """
@@ -34,14 +35,15 @@ def main() -> None:
     rank, world_size, device = init_distributed("gloo")
     mesh = init_device_mesh(device.type, (world_size,))
     batches = [tuple(t.to(device) for t in batch(step, args.global_batch)) for step in range(args.steps)]
-    record = tp_record(mesh, batches, sequence_parallel=not args.no_sequence_parallel)
+    record = tp_record(mesh, batches, sequence_parallel=not args.no_sequence_parallel, count_first_step=True)
     for step, entry in enumerate(record):
         report(step=step, loss=entry["loss"].item())
     # float32 -> Python float -> JSON -> float32 is exact, so the notebook can compare bit for bit.
     # The control: the four ORDER_PROBE values (helpers/scale.py) summed by this backend.
     probe_values = (2.0**24, 1.0, -(2.0**24), 1.0)
     probe = order_probe(torch.full((world_size,), probe_values[rank % 4], device=device))
-    result(order_probe={name: t.cpu().tolist() for name, t in probe.items()},
+    result(comm_counts=record[0]["comm_counts"],  # CommDebugMode's count of the first step on this real group
+           order_probe={name: t.cpu().tolist() for name, t in probe.items()},
            outputs={name: t.cpu().tolist() for name, t in record[0]["outputs"].items()},
            steps=[{"loss": entry["loss"].item(),
                    "grads": {name: t.cpu().tolist() for name, t in entry["grads"].items()},
