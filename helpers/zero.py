@@ -186,6 +186,11 @@ def _zero_problem(stage: str, model: dict, rank: int, world_size: int) -> str | 
                 return (f"step {step}: when backward ended this rank still held {events[end]['held']} bytes of full "
                         "parameters; free each parameter once its gradient is reduce-scattered (in the gradient "
                         "hook).")
+            blocking = sum(1 for e in events if e["op"].startswith("all_gather") and not e["async"])
+            if blocking:  # catches a "prefetch" that blocks: issued early, it still overlaps nothing
+                return (f"step {step} issued {blocking} all-gathers with async_op=False; start every unit's "
+                        "all-gathers with async_op=True and wait for them only when that unit starts, so that the "
+                        "prefetched unit's all-gather can overlap this unit's compute.")
             problem = _prefetch_problem(events, model["units"], world_size)
             if problem:
                 return f"step {step}: {problem}"
@@ -240,10 +245,11 @@ def check_results(stage: str, ranks: dict[int, dict]) -> bool:
     what = {"bucketed": "the bucket plan's all-reduces, started during backward",
             "zero1": "Adam state 8 bytes x shard; reduce-scatter + all-gather",
             "zero2": "Adam state and gradients sharded; reduce-scatter during backward",
-            "zero3": "parameters, gradients, Adam state sharded; unit i+1's all-gather issued before unit i's "
-                     "forward computes, unit i-1's before unit i's backward"}[stage]
+            "zero3": "parameters, gradients, Adam state sharded; unit i+1's all-gather issued (async_op=True) "
+                     "before unit i's forward computes, unit i-1's before unit i's backward"}[stage]
     if stage != "bucketed":
-        what += "; no other tensor in the class or the model after backward or after the step"
+        what += ("; no other tensor in the class or the model after backward or after the step, looked for through "
+                 "attributes, containers, tensors' attributes and hooks' closures")
     return correct(f"{stage} equals DDP + AdamW on every rank for mlp, odd and tied ({what}); bytes handed to "
                    f"collectives per step, weighted as the ZeRO paper does, {volume / ddp_volume:.2f}x DDP's for mlp.")
 

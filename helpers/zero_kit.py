@@ -10,9 +10,11 @@ and a log of the collectives a process issues.
   (`_fsdp_param.py`, `alloc_storage` and `free_storage`): the tensor keeps its shape, its storage goes to
   0 bytes and back.
 - `CommLog`: replaces the collectives and point-to-point calls on the `torch.distributed` namespace (the names in
-  `LOGGED`: every public collective, send/recv, barrier, the object collectives, and DDP's private
-  `_broadcast_coalesced`) with wrappers that record each call (operation, bytes of the full, unsharded tensor,
-  async_op) in order, then call torch's function. A call counts only if it goes through `torch.distributed.<name>`:
+  `LOGGED`: every public collective, send/recv, barrier, the object collectives, DDP's private
+  `_broadcast_coalesced`, and the private `_all_gather_base` / `_reduce_scatter_base`, recorded as the
+  `all_gather_single` / `reduce_scatter_single` they call) with wrappers that record each call (operation, bytes of
+  the full, unsharded tensor, async_op, given by keyword or position) in order, then call torch's function.
+  `_coalescing_manager` is a context manager, not a collective: the calls made inside it are recorded one by one. A call counts only if it goes through `torch.distributed.<name>`:
   that is how the learner's classes, `ZeroRedundancyOptimizer` (dist.broadcast), DDP's constructor
   (dist._broadcast_coalesced, torch/distributed/utils.py:339), DDP's default comm hook (dist.all_reduce) and FSDP2
   (dist.all_gather_single, dist.reduce_scatter_single) call them in torch 2.14. Not seen: a method called on a
@@ -22,6 +24,7 @@ Imports only torch: workers and the notebook both use it.
 """
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable
 
 import torch
@@ -34,7 +37,10 @@ _FULL_TENSOR = {
     "reduce_scatter_tensor": (1, "input"), "reduce_scatter_single": (1, "input"),
     "all_gather_into_tensor": (0, "output_tensor"), "all_gather_single": (0, "output_tensor"),
     "all_gather": (0, "tensor_list"), "reduce_scatter": (1, "input_list"),
+    "_all_gather_base": (0, "output_tensor"), "_reduce_scatter_base": (1, "input"),
 }
+# private aliases, recorded under the public name they call (torch/distributed/distributed_c10d.py)
+_ALIASES = {"_all_gather_base": "all_gather_single", "_reduce_scatter_base": "reduce_scatter_single"}
 # the rest of torch.distributed's collectives and point-to-point calls: bytes of the first tensor (or list of them)
 _OTHERS = ("reduce", "gather", "gather_into_tensor", "gather_single", "scatter", "all_to_all", "all_to_all_single",
            "send", "recv", "isend", "irecv",
@@ -122,12 +128,24 @@ class CommLog:
         self._originals.clear()
 
     def _wrap(self, name, original, position, keyword):
+        try:
+            signature = inspect.signature(original)
+        except (TypeError, ValueError):
+            signature = None
+
+        def is_async(args, kwargs) -> bool:  # async_op by keyword or by position
+            try:
+                return bool(signature.bind(*args, **kwargs).arguments.get("async_op"))
+            except (AttributeError, TypeError):
+                return bool(kwargs.get("async_op"))
+
         def recorded(*args, **kwargs):
             if position is None:
                 full = _first_tensors(args, kwargs)
             else:
                 full = kwargs[keyword] if keyword in kwargs else args[position]
-            self.events.append({"op": name, "bytes": _nbytes(full), "async": bool(kwargs.get("async_op"))})
+            self.events.append({"op": _ALIASES.get(name, name), "bytes": _nbytes(full),
+                                "async": is_async(args, kwargs)})
             return original(*args, **kwargs)
         return recorded
 

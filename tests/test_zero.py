@@ -146,7 +146,74 @@ MUTATIONS = {
                    "        for p in self.params:\n            dist.all_reduce(p.data)")],
         "building the zero1 class issued ['all_reduce']; a constructor may broadcast rank 0's parameters (torch's DDP "
         "constructor issued ['_broadcast_coalesced'] in the same run), nothing else."),
+    # the third fresh reader's wrong classes (fc09c)
+    "zero3, a blocking 'prefetch': all-gathers with async_op=False (NF-3)": (
+        "zero3", [("                work = dist.all_gather_single(full, self.shards[p].detach(), async_op=True)",
+                   "                dist.all_gather_single(full, self.shards[p].detach())\n"
+                   "                work = torch.futures.Future()\n                work.set_result(None)")],
+        "model 'mlp': step 0 issued 12 all-gathers with async_op=False; start every unit's all-gathers with "
+        "async_op=True"),
 }
+
+BUFFER = ("the class and the model held 17704 bytes in 6 tensor storage(s) that are none of the parameters, gradients, "
+          "shards, shards' gradients or optimizer state (the largest of shape ")
+SUBCLASSES = {  # the third fresh reader's j_, k_ and m_ (fc09c): buffers kept on a tensor or in a closure (NF-1, NF-2)
+    "zero3, keeps each gather buffer on its parameter": ("zero3", '''
+class Zero3(Base):
+    def _start_gather(self, i):
+        if 0 <= i < len(self.units) and i not in self.gathering:
+            self.gathering[i] = []
+            for p in self.units[i].parameters():
+                if not hasattr(p, "_full_padded"):
+                    p._full_padded = torch.empty(self.world_size * self.shards[p].numel(), dtype=p.dtype)
+                work = dist.all_gather_single(p._full_padded, self.shards[p].detach(), async_op=True)
+                self.gathering[i].append((p, p._full_padded, work))
+''', "step 0, when backward ended: " + BUFFER + "[2304])"),
+    "zero3, keeps its gather buffers in a hook's closure": ("zero3", '''
+class Zero3(Base):
+    def __init__(self, model, units, optimizer_class, **kwargs):
+        buffers = {}
+        def start(i):
+            if 0 <= i < len(self.units) and i not in self.gathering:
+                self.gathering[i] = []
+                for p in self.units[i].parameters():
+                    full = buffers.setdefault(p, torch.empty(self.world_size * self.shards[p].numel()))
+                    work = dist.all_gather_single(full, self.shards[p].detach(), async_op=True)
+                    self.gathering[i].append((p, full, work))
+        self._start_gather = start
+        super().__init__(model, units, optimizer_class, **kwargs)
+''', "step 0, when backward ended: " + BUFFER + "[2304])"),
+    "zero2, keeps each full gradient on its shard": ("zero2", '''
+class Zero2(Base):
+    def _gradient_ready(self, p):
+        self.shards[p]._full_grad = p.grad.detach().clone()
+        super()._gradient_ready(p)
+''', "step 0, when backward ended: " + BUFFER + "[48, 48])"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SUBCLASSES))
+def test_check_sees_buffers_on_tensors_and_in_closures(name, tmp_path, capsys):
+    stage, body, message = SUBCLASSES[name]
+    base = {"zero2": "Zero2", "zero3": "Zero3"}[stage]
+    path = tmp_path / "subclass.py"
+    path.write_text("import torch\nimport torch.distributed as dist\n\n"
+                    f"from helpers.workers.zero_solution import {base} as Base\n\n" + body)
+    assert not check_step(stage, path)
+    out = capsys.readouterr().out
+    assert out.startswith("Not yet: rank 0, model 'mlp': ") and message in out, out
+
+
+def test_private_all_gather_base_with_async_by_position_passes_as_all_gather_single(tmp_path, capsys):
+    # NF-4: dist._all_gather_base is logged as the all_gather_single it calls; NF-3: async_op given by position counts
+    path = mutated(tmp_path, [("dist.all_gather_single(full, self.shards[p].detach(), async_op=True)",
+                               "dist._all_gather_base(full, self.shards[p].detach(), None, True)")])
+    checked = check_step("zero3", path)
+    assert checked, capsys.readouterr().out
+    events = [e for e in checked.results[0]["models"]["mlp"]["impl"]["steps"][0] if e["op"] != "mark"]
+    gathers = [e for e in events if e["op"] == "all_gather_single"]
+    assert len(gathers) == 12 and all(e["async"] for e in gathers), events
+
 
 CONSTRUCTOR_BROADCASTS = {  # the reader's b_ and g_: what DDP's constructor does, in ours; they must pass
     "bucketed": ("        self.ready, self.in_flight = [0] * len(self.buckets), []\n\n    def forward",

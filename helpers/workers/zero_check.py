@@ -14,6 +14,7 @@ which calls dist.all_reduce), and markers for the end of backward, the start and
 start of each unit's backward. helpers/zero.py reads the results and decides. Works with one process.
 """
 import argparse
+import functools
 import importlib.util
 import sys
 import types
@@ -49,9 +50,11 @@ def batch(width: int, rank: int, step: int, device: torch.device) -> tuple[torch
 
 
 def reachable_tensors(*roots) -> list[torch.Tensor]:
-    """Every tensor reachable from `roots` (the class's object, the model) through attributes of objects, modules,
-    dicts, lists, tuples and sets; not through functions (hooks) or C++ objects. A tensor kept anywhere else (a
-    module-level global, a pending collective) is not seen."""
+    """Every tensor reachable from `roots` (the class's object, the model) through attributes of objects, modules
+    and tensors (a buffer hung on a parameter or a shard, `p._full = ...`; torch keeps only hook dicts there),
+    dicts, lists, tuples and sets, and through functions kept there (hooks included): a function's closure cells and
+    default arguments, a bound method's object, a functools.partial's arguments. Not through a function's globals,
+    classes, modules or C++ objects: a tensor kept in a module-level global or a pending collective is not seen."""
     seen, found, todo = set(), [], list(roots)
     while todo:
         obj = todo.pop()
@@ -60,12 +63,23 @@ def reachable_tensors(*roots) -> list[torch.Tensor]:
         seen.add(id(obj))
         if isinstance(obj, torch.Tensor):
             found.append(obj)
+            todo += list(getattr(obj, "__dict__", {}).values())  # the tensor's own Python attributes
+        elif isinstance(obj, types.FunctionType):
+            for cell in obj.__closure__ or ():
+                try:
+                    todo.append(cell.cell_contents)
+                except ValueError:  # a cell not yet filled
+                    pass
+            todo += list(obj.__defaults__ or ()) + list((obj.__kwdefaults__ or {}).values())
+        elif isinstance(obj, types.MethodType):
+            todo += [obj.__func__, obj.__self__]
+        elif isinstance(obj, functools.partial):
+            todo += [obj.func, *obj.args, *obj.keywords.values()]
         elif isinstance(obj, dict):
             todo += list(obj.keys()) + list(obj.values())
         elif isinstance(obj, (list, tuple, set, frozenset)):
             todo += list(obj)
-        elif hasattr(obj, "__dict__") and not isinstance(obj, (type, types.ModuleType, types.FunctionType,
-                                                                   types.MethodType)):
+        elif hasattr(obj, "__dict__") and not isinstance(obj, (type, types.ModuleType)):
             todo += list(vars(obj).values())
     return found
 
