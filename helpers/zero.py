@@ -213,7 +213,8 @@ def _prefetch_problem(events: list[dict], units: list[list[int]], world_size: in
             continue
         i, where = int(match[2]), match[1].split(" ")[1]
         if match[1].startswith("forward"):
-            if where == "end" and event["held"] > (full_bytes[i + 1] if i < last else 0):  # catches a unit left gathered
+            # catches a unit left gathered after its forward
+            if where == "end" and event["held"] > (full_bytes[i + 1] if i < last else 0):
                 return (f"after unit {i}'s forward this rank still held {event['held']} bytes of full parameters; "
                         "free each unit after its forward (only the next, prefetched unit may be held).")
             want = sum(unit_bytes[: i + 2])

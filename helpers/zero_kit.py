@@ -14,7 +14,8 @@ and a log of the collectives a process issues.
   `_broadcast_coalesced`, and the private `_all_gather_base` / `_reduce_scatter_base`, recorded as the
   `all_gather_single` / `reduce_scatter_single` they call) with wrappers that record each call (operation, bytes of
   the full, unsharded tensor, async_op, given by keyword or position) in order, then call torch's function.
-  `_coalescing_manager` is a context manager, not a collective: the calls made inside it are recorded one by one. A call counts only if it goes through `torch.distributed.<name>`:
+  `_coalescing_manager` is a context manager, not a collective: the calls made inside it are recorded one by
+  one. A call counts only if it goes through `torch.distributed.<name>`:
   that is how the learner's classes, `ZeroRedundancyOptimizer` (dist.broadcast), DDP's constructor
   (dist._broadcast_coalesced, torch/distributed/utils.py:339), DDP's default comm hook (dist.all_reduce) and FSDP2
   (dist.all_gather_single, dist.reduce_scatter_single) call them in torch 2.14. Not seen: a method called on a

@@ -110,7 +110,8 @@ MUTATIONS = {
     "zero3, frees the parameters in step(), not after their reduce-scatter": (  # LL-2, the reader's M2
         "zero3", [("        super()._gradient_ready(p)\n        free_storage(p)", "        super()._gradient_ready(p)"),
                   ("        self.optimizer.step()  # no all-gather: the next forward gathers each unit when it needs "
-                   "it\n", "        self.optimizer.step()\n        for p in self.params:\n            free_storage(p)\n")],
+                   "it\n",
+                   "        self.optimizer.step()\n        for p in self.params:\n            free_storage(p)\n")],
         "when backward ended this rank still held 17704 bytes of full parameters"),
     "zero3, never frees after forward": (
         "zero3", [("            unit.register_forward_hook(lambda module, args, output, i=i: self._free(i))\n", "")],
