@@ -163,6 +163,29 @@ def relative_error(value: float, reference: float) -> float:
     return abs(value - reference) / reference if reference else math.inf
 
 
+def zero_redundancy_held(shapes: list[tuple[int, int]], world_size: int, ranks: Any) -> dict[int, dict[str, int]]:
+    """Torch's ZeRO-1, measured: for each rank in `ranks`, build `ZeroRedundancyOptimizer` (Adam) on the fake
+    backend over fp32 parameters of `shapes`, take one step, and read what that rank's optimizer holds:
+    {"params": elements of the parameters it owns, "moment elements": elements of Adam's exp_avg and exp_avg_sq}.
+    Real (small) tensors: the fake group moves no data, so only sizes mean anything."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    held = {}
+    for rank in ranks:
+        with simulated_world(world_size, rank=rank):
+            params = [nn.Parameter(torch.zeros(shape)) for shape in shapes]
+            optimizer = ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.Adam, lr=1e-3)
+            for p in params:
+                p.grad = torch.ones_like(p)
+            optimizer.step()
+            local = optimizer.optim  # the Adam over this rank's partition only
+            owned = [p for group in local.param_groups for p in group["params"]]
+            moments = sum(state[key].numel() for state in local.state.values()
+                          for key in ("exp_avg", "exp_avg_sq") if key in state)
+            held[rank] = {"params": sum(p.numel() for p in owned), "moment elements": moments}
+    return held
+
+
 def twin_record(world_size: int, steps: int = 2, global_batch: int = 4,
                 sequence_parallel: bool = True) -> list[dict[str, Any]]:
     """helpers.twin.tp_record for `world_size` simulated ranks in this process (fake backend + LocalTensorMode).

@@ -31,6 +31,7 @@ from helpers.scale import (
     tp_collectives,
     twin_record,
     wrapper_twin_errors,
+    zero_redundancy_held,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -106,6 +107,16 @@ def test_pin_fsdp2_pads_uneven_shards():
     assert first["Adam state"] == 2 * 2 * 64 * 4 + 4 and last["Adam state"] == 4, (
         TORCH_CHANGED + "Adam's state on an empty FSDP2 shard is no longer empty")
 
+
+
+def test_pin_zero_redundancy_optimizer_hands_out_whole_tensors():
+    # Five tensors on eight ranks, sizes 6, 5, 4, 3, 3: largest first, each whole to the rank with fewest elements.
+    shapes = [(2, 2), (3, 2), (5, 1), (1, 3), (3, 1)]
+    held = zero_redundancy_held(shapes, 8, range(8))
+    assert [held[rank]["params"] for rank in range(8)] == [6, 5, 4, 3, 3, 0, 0, 0], (
+        TORCH_CHANGED + "ZeroRedundancyOptimizer no longer assigns whole tensors, largest first")
+    assert all(h["moment elements"] == 2 * h["params"] for h in held.values())
+    assert not dist.is_initialized()
 
 # --- bytes, counts and the exercise -----------------------------------------------------------------------------
 
