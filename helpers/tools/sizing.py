@@ -93,11 +93,18 @@ def _kind(process: psutil.Process, kernel: int, server: int | None) -> str:
 
 def _by_kind(processes: list[psutil.Process], sizes: list[int]) -> dict[str, float]:
     kernel = next((p.pid for p in processes if _cmdline(p).count("ipykernel")), -1)
-    server = next((p.pid for p in processes if "helpers.launcher.server" in _cmdline(p) and p.ppid() == kernel), None)
+    server = next((p.pid for p in processes if "helpers.launcher.server" in _cmdline(p) and _ppid(p) == kernel), None)
     kinds = dict.fromkeys(KINDS, 0.0)
     for process, size in zip(processes, sizes, strict=True):
         kinds[_kind(process, kernel, server)] += size / 2**20
     return kinds
+
+
+def _ppid(process: psutil.Process) -> int | None:
+    try:
+        return process.ppid()
+    except psutil.Error:  # it ended between the sample and this question
+        return None
 
 
 def _cmdline(process: psutil.Process) -> str:
