@@ -96,8 +96,8 @@ def plot_process_model(workers: Sequence[Mapping[str, Any]], title: str = "One j
             ax.text(x + 1.3, y + 0.05, f"process: RANK {w['RANK']}\nLOCAL_RANK {w['LOCAL_RANK']}",
                     ha="center", va="center", fontsize=9)
     world = workers[0]["WORLD_SIZE"]
-    ax.text(0.3, 0.2, f"WORLD_SIZE = {world}: every process meets the others at the rendezvous "
-            f"(MASTER_ADDR:MASTER_PORT)", fontsize=9)
+    ax.text(0.3, 0.2, f"WORLD_SIZE = {world}: the agents meet at the rendezvous; the workers\n"
+            f"then meet at the store at MASTER_ADDR:MASTER_PORT and talk directly", fontsize=9)
     ax.set(xlim=(0, 0.3 + 2.9 * len(nodes)), ylim=(0, 0.9 * per_node + 1.7), title=title)
     ax.axis("off")
     return ax

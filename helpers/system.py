@@ -41,9 +41,11 @@ def machine_summary() -> dict[str, object]:
         "cpu bf16 instructions": sorted(cpu_flags() & {"avx512_bf16", "amx_bf16"}) or "none",
         "GPUs": gpus or "none",
         "gloo available": dist.is_gloo_available(),
-        "nccl available": dist.is_nccl_available() and bool(gpus),
+        # dist.is_nccl_available() says only that this torch build contains nccl; running it also needs a GPU
+        "nccl in this torch build": dist.is_nccl_available(),
+        "nccl usable here": dist.is_nccl_available() and bool(gpus),
         "mpi available": dist.is_mpi_available(),
-        "default backend": "nccl" if gpus else "gloo",
+        "backend the lessons pick": "nccl" if gpus else "gloo",
     }
 
 

@@ -29,7 +29,8 @@ from helpers.tools import workshop
 CHROMIUM = os.environ.get("LESSONS_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
 playwright = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium found (apt-get install chromium)")
-LESSONS = sorted(p.name for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+LESSONS = sorted(p.name for pattern in ("[0-9][0-9]_*.ipynb", "A[0-9]_*.ipynb")  # lessons, then appendices
+                 for p in (ROOT / "notebooks").glob(pattern))
 BUDGET_SECONDS = 360  # one lesson's Run All; nbval's budget is about 3 minutes on a quiet 2-core machine
 TICKER = ROOT / "tests" / "workers" / "ticker.py"
 WHOAMI = ROOT / "helpers" / "workers" / "whoami.py"

@@ -174,7 +174,8 @@ def main() -> int:
     parser.add_argument("--budget-mib", type=float, default=1536, help="peak + Jupyter server allowed per learner")
     args = parser.parse_args()
     _become_subreaper()
-    notebooks = args.notebooks or sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    notebooks = args.notebooks or [path for pattern in ("[0-9][0-9]_*.ipynb", "A[0-9]_*.ipynb")  # lessons, appendices
+                                   for path in sorted((ROOT / "notebooks").glob(pattern))]
     probe = "import torch; print(torch.__version__, torch.version.cuda or 'cpu')"
     build = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.split()
     print(f"torch {build[0]} ({'CPU-only build' if build[1] == 'cpu' else 'CUDA ' + build[1] + ' build'}): every "

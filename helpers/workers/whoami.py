@@ -15,7 +15,6 @@ import os
 import torch
 import torch.distributed as dist
 
-from helpers.distributed import init_distributed
 from helpers.reporting import result
 
 NAMES = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"]
@@ -24,13 +23,22 @@ NAMES = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "
 def main() -> None:
     me = {name: os.environ[name] for name in NAMES}
     print(" ".join(f"{name}={value}" for name, value in me.items() if name != "MASTER_PORT"))
-    rank, world_size, device = init_distributed()
+    if torch.cuda.is_available():  # one GPU per process: LOCAL_RANK picks it
+        device = torch.device("cuda", int(me["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    # With no init_method and no store, init_process_group uses "env://": it reads MASTER_ADDR, MASTER_PORT,
+    # RANK and WORLD_SIZE from the environment torchrun set, and blocks until all WORLD_SIZE processes joined.
+    dist.init_process_group(backend)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     total = torch.tensor([float(rank)], device=device)
     dist.all_reduce(total)  # crosses the node boundary: every rank adds 0 + 1 + ... + world_size - 1
     result(**me, HELPERS_NODE=os.environ.get("HELPERS_NODE", me["GROUP_RANK"]),
            node_rank=int(me["GROUP_RANK"]), local_rank=int(me["LOCAL_RANK"]), rank=rank, world_size=world_size,
            nodes=int(os.environ["GROUP_WORLD_SIZE"]), rank_sum=total.item())
-    dist.destroy_process_group()
+    dist.destroy_process_group()  # leave the group: frees its connections before the process exits
 
 
 if __name__ == "__main__":

@@ -1,5 +1,10 @@
-"""Lesson 00's exercise check: it says "Not yet" on the starting code and on plausible wrong formulas."""
+"""Lesson 00's exercise check: it says "Not yet" on the starting code and on plausible wrong formulas; and the
+learner's copy of lesson 00 does not give the formula away."""
+import json
+
+from helpers import REPO_ROOT
 from helpers.ranks import check_global_rank, torchrun_rank
+from helpers.tools.workshop import student_cells
 
 # what whoami.py hands back for two nodes of two processes (only the fields the check reads)
 RUN = [{"node_rank": node, "local_rank": local, "rank": 2 * node + local} for node in (0, 1) for local in (0, 1)]
@@ -23,3 +28,13 @@ def test_check_accepts_the_rule_and_rejects_the_start_and_wrong_formulas(capsys)
 
 def test_torchrun_rule_counts_every_process_of_the_nodes_before():
     assert [torchrun_rank(node, local, [2, 3]) for node, local in [(0, 0), (0, 1), (1, 0), (1, 2)]] == [0, 1, 2, 4]
+
+
+def test_the_student_copy_of_lesson_00_does_not_give_the_formula_away():
+    cells = json.loads((REPO_ROOT / "notebooks" / "00_start_here.ipynb").read_text(encoding="utf-8"))["cells"]
+    text = lambda kept: "\n".join("".join(cell["source"]) for cell in kept)  # noqa: E731
+    answer = "node_rank * nproc_per_node + local_rank"
+    assert answer in text(cells), "the teacher's copy holds the solution"
+    handout = text(student_cells(cells))
+    for giveaway in (answer, "nproc_per_node + LOCAL_RANK", "RANK // nproc_per_node"):
+        assert giveaway not in handout, f"the learner's copy of lesson 00 shows {giveaway!r}"
