@@ -1,4 +1,4 @@
-"""The source article's `mp.spawn` run from a notebook, and why it fails there (lessons 00 and 02)."""
+"""The source article's `mp.spawn` run from a notebook, and why it fails there (lessons 00 and 02, appendix A0)."""
 from __future__ import annotations
 
 import logging
