@@ -94,3 +94,16 @@ def test_exercise_check_names_the_unfilled_own_slot_and_refuses_an_imported_coll
     renamed.write_text("from torch.distributed import all_gather as ag\nag([], None)\n")
     assert not check_all_gather(renamed)
     assert "without calling dist.all_gather" in capsys.readouterr().out
+
+
+def test_tour_on_three_ranks_keeps_subgroups_and_averages_apart():
+    """The lesson runs the tour on 4 ranks; 3 gives halves of unequal size ([0, 1] and [2])."""
+    run = launch(WORKERS / "collectives_tour.py", nproc=3, echo=False)
+    assert run.results[0]["subgroups"] == [[0, 1], [2]]
+    starting = [run.results[rank]["tensors"]["all_reduce"]["before"] for rank in range(3)]
+    first_pair = [a + b for a, b in zip(starting[0], starting[1], strict=True)]
+    after = [run.results[rank]["tensors"]["all_reduce in a subgroup"]["after"] for rank in range(3)]
+    assert after == [first_pair, first_pair, starting[2]]  # a group of one all-reduces with itself
+    mean = [sum(column) / 3 for column in zip(*starting, strict=True)]
+    for rank in range(3):
+        assert run.results[rank]["tensors"]["all_reduce(op=AVG)"]["after"] == pytest.approx(mean)
