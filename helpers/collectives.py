@@ -52,9 +52,10 @@ def _draw_row(ax: plt.Axes, values: Sequence[float], x0: float, y: float, world_
 
 
 def draw_collective(run: Run, operation: str, ax: plt.Axes | None = None,
-                    unspecified: Sequence[int] = ()) -> plt.Axes:
+                    unspecified: Sequence[int] = (), combined: bool = False) -> plt.Axes:
     """Rows = ranks; left: the tensor before, right: after. Colour = the rank a number came from
-    (grey: a sum of several ranks). Ranks in `unspecified` hold values the API does not promise."""
+    (grey: a sum of several ranks). Ranks in `unspecified` hold values the API does not promise.
+    `combined`: every number after the operation is a sum, even one that looks like a rank's own (12 = 1 + 11)."""
     before, after = tensors(run, operation)
     world_size, length = len(before), max(len(row) for row in before)
     if ax is None:
@@ -64,7 +65,7 @@ def draw_collective(run: Run, operation: str, ax: plt.Axes | None = None,
         y = world_size - 1 - rank
         ax.text(-0.3, y + 0.4, f"rank {rank}", ha="right", va="center", fontsize=8)
         _draw_row(ax, before[rank], 0, y, world_size, length, faded=False)
-        _draw_row(ax, after[rank], right, y, world_size, length, faded=rank in unspecified)
+        _draw_row(ax, after[rank], right, y, 0 if combined else world_size, length, faded=rank in unspecified)
     width = right + max(len(row) for row in after)
     ax.annotate("", xy=(right - 0.2, world_size / 2), xytext=(right - 1.3, world_size / 2),
                 arrowprops={"arrowstyle": "->"})
@@ -74,14 +75,15 @@ def draw_collective(run: Run, operation: str, ax: plt.Axes | None = None,
 
 
 def draw_collectives(run: Run, operations: Sequence[str], unspecified: dict[str, Sequence[int]] | None = None,
-                     columns: int = 2) -> np.ndarray:
-    """One picture per operation, side by side in a grid of `columns` columns."""
+                     columns: int = 2, combined: Sequence[str] = ()) -> np.ndarray:
+    """One picture per operation, side by side in a grid of `columns` columns (`combined`: see draw_collective)."""
     rows = (len(operations) + columns - 1) // columns
     world_size = len(run.results)
     _, axes = plt.subplots(rows, columns, figsize=(10, rows * (0.6 + 0.45 * world_size)), dpi=80,
                            layout="constrained", squeeze=False)
     for ax, operation in zip(axes.flat, operations, strict=False):
-        draw_collective(run, operation, ax=ax, unspecified=(unspecified or {}).get(operation, ()))
+        draw_collective(run, operation, ax=ax, unspecified=(unspecified or {}).get(operation, ()),
+                        combined=operation in combined)
     for ax in axes.flat[len(operations):]:
         ax.axis("off")
     return axes
@@ -148,6 +150,19 @@ def fit_latency_bandwidth(sizes: Sequence[int], seconds: Sequence[float]) -> tup
     return float(latency), float(1 / inverse_bandwidth)
 
 
+def half_peak_sizes(sizes: Sequence[int], seconds: Sequence[float]) -> tuple[int | None, int]:
+    """Read from the measurements, not the fit: the largest size whose algbw is still below half of the highest
+    measured algbw (None if the first one already reaches it), and the first size that reaches half."""
+    algbw = [size / t for size, t in zip(sizes, seconds, strict=True)]
+    first = next(i for i, value in enumerate(algbw) if value >= max(algbw) / 2)
+    return (sizes[first - 1] if first else None), sizes[first]
+
+
+def fit_ratios(sizes: Sequence[int], seconds: Sequence[float], latency: float, bandwidth: float) -> list[float]:
+    """measured / fitted time at each size: the fit's residuals (1.0 = on the line)."""
+    return [t / (latency + size / bandwidth) for size, t in zip(sizes, seconds, strict=True)]
+
+
 def format_bytes(size: float) -> str:
     """1024 -> '1 KB', 67108864 -> '64 MB' (binary units, as message sizes usually are)."""
     for unit in ("B", "KB", "MB", "GB"):
@@ -162,6 +177,10 @@ _COLLECTIVE_CALL = re.compile(
     r"(?<![\w.])(?:(?:torch\.)?(?:dist|distributed)\.)?"
     r"(all_gather(?:_into_tensor|_object)?|all_reduce|broadcast(?:_object_list)?|reduce(?:_scatter(?:_tensor)?)?|"
     r"all_to_all(?:_single)?|gather(?:_object)?|scatter(?:_object_list)?)\s*\(")
+# `from torch.distributed import all_gather as ag` hides the call's name: the import itself is refused
+_COLLECTIVE_IMPORT = re.compile(
+    r"from\s+torch\.distributed\s+import\s+[^\n]*?\b(all_gather\w*|all_reduce|broadcast\w*|reduce\w*|"
+    r"all_to_all\w*|gather\w*|scatter\w*)\b")
 
 
 def check_all_gather(script: str | Path, nproc: int = 3, timeout: float = 60) -> bool:
@@ -171,7 +190,7 @@ def check_all_gather(script: str | Path, nproc: int = 3, timeout: float = 60) ->
     dist.all_gather or any other collective, and hand it back with result(gathered=[...]).
     """
     source = Path(script).read_text()
-    called = _COLLECTIVE_CALL.search(source)
+    called = _COLLECTIVE_CALL.search(source) or _COLLECTIVE_IMPORT.search(source)
     if called:  # a broadcast per rank, or an all_reduce of padded tensors, also gives the right answer
         return not_yet(f"build it from send/recv (or isend/irecv), without calling dist.{called.group(1)} "
                        "or any other collective.")
@@ -191,6 +210,10 @@ def check_all_gather(script: str | Path, nproc: int = 3, timeout: float = 60) ->
     expected = [[10.0 * rank + i for i in range(3)] for rank in range(nproc)]
     for rank in range(nproc):
         got: Any = run.results.get(rank, {}).get("gathered")
+        if isinstance(got, list) and len(got) == nproc and got[rank] != expected[rank] and all(
+                got[other] == expected[other] for other in range(nproc) if other != rank):
+            return not_yet(f"rank {rank}'s entry {rank} (its own tensor) was never filled: it holds {got[rank]}, "
+                           f"expected {expected[rank]}.")
         if got != expected:
             return not_yet(f"rank {rank} gathered {got}, expected {expected}.")
     return correct(f"each of {nproc} ranks holds every rank's tensor, in rank order, "

@@ -47,24 +47,27 @@ def allreduce_seconds(size_bytes: float, world_size: int, latency: float, bandwi
     return predict_allreduce_seconds(size_bytes, world_size, latency, bandwidth, algorithm)
 
 
-def allreduce_figure(latency: float, bandwidth: float, world_size: int = 8, algorithm: str = "ring",
-                     size_bytes: float = 2**24, measured: tuple[Sequence[float], Sequence[float]] | None = None,
-                     ax: Any = None) -> Any:
-    """Predicted all_reduce time against message size for `world_size` ranks, with the 2-rank fit and measurements."""
+def allreduce_figure(latency: float, bandwidth: float, world_size: int = 8, size_bytes: float = 2**24,
+                     measured: tuple[Sequence[float], Sequence[float]] | None = None, ax: Any = None) -> Any:
+    """Ring and tree models of all_reduce time against message size for `world_size` ranks, with the 2-rank fit
+    and the 2-rank measurements it came from."""
     if ax is None:
         _, ax = plt.subplots(figsize=FIGSIZE, dpi=80, layout="constrained")
     sizes = [2.0**k for k in range(10, 31)]
-    # the fit itself (latency + bytes / bandwidth, what 2 ranks measured), whichever algorithm is chosen
+    # the fit itself (latency + bytes / bandwidth, what 2 ranks measured)
     ax.plot(sizes, [predict_allreduce_seconds(s, 2, latency, bandwidth) * 1e3 for s in sizes], ":",
             label="2 ranks (the fit)")
-    ax.plot(sizes, [allreduce_seconds(s, world_size, latency, bandwidth, algorithm) * 1e3 for s in sizes], "-",
-            label=f"{world_size} ranks, {algorithm}")
+    chosen = {}
+    for algorithm in ("ring", "tree"):
+        line, = ax.plot(sizes, [allreduce_seconds(s, world_size, latency, bandwidth, algorithm) * 1e3 for s in sizes],
+                        "-", label=f"{world_size} ranks, {algorithm} model")
+        chosen[algorithm] = allreduce_seconds(size_bytes, world_size, latency, bandwidth, algorithm)
+        ax.plot([size_bytes], [chosen[algorithm] * 1e3], "*", color=line.get_color(), markersize=12)
     if measured is not None:
         ax.plot(measured[0], [t * 1e3 for t in measured[1]], "o", label="measured here, 2 ranks")
-    chosen = allreduce_seconds(size_bytes, world_size, latency, bandwidth, algorithm)
-    ax.plot([size_bytes], [chosen * 1e3], "k*", markersize=12)
     ax.set(xscale="log", yscale="log", xlabel="message size (bytes)", ylabel="all_reduce time (ms)",
-           title=f"{format_bytes(size_bytes)} on {world_size} ranks ({algorithm}): {chosen * 1e3:.3g} ms predicted")
+           title=f"{format_bytes(size_bytes)} on {world_size} ranks: ring {chosen['ring'] * 1e3:.3g} ms, "
+                 f"tree {chosen['tree'] * 1e3:.3g} ms (models)")
     ax.legend(fontsize="small")
     ax.grid(alpha=0.3, which="both")
     return ax
@@ -175,16 +178,15 @@ def _explorer(draw, **controls) -> Any:
 
 def allreduce_explorer(latency: float, bandwidth: float, sizes: Sequence[float] | None = None,
                        seconds: Sequence[float] | None = None) -> Any:
-    """Message size, world size and ring vs tree, predicted from this machine's fitted latency and bandwidth."""
+    """Message size and world size: the ring and tree models from this machine's fitted latency and bandwidth."""
     import ipywidgets as widgets
 
     measured = (sizes, seconds) if sizes is not None and seconds is not None else None
     return _explorer(
-        lambda size_log2, world_size, algorithm: allreduce_figure(latency, bandwidth, world_size, algorithm,
-                                                                  2.0**size_log2, measured),
-        size_log2=widgets.IntSlider(value=24, min=10, max=30, description="log2 bytes"),
-        world_size=widgets.IntSlider(value=8, min=2, max=1024, description="world size"),
-        algorithm=widgets.ToggleButtons(options=["ring", "tree"], value="ring"))
+        lambda size_bytes, world_size: allreduce_figure(latency, bandwidth, world_size, size_bytes, measured),
+        size_bytes=widgets.SelectionSlider(options=[(format_bytes(2**k), 2**k) for k in range(10, 31)],
+                                           value=2**24, description="message"),
+        world_size=widgets.IntSlider(value=8, min=2, max=1024, description="world size"))
 
 
 def bucket_explorer(model: Any, sweep: Sequence[dict] | None = None) -> Any:

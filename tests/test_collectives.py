@@ -11,7 +11,9 @@ from helpers.collectives import (
     bus_factor,
     check_all_gather,
     fit_latency_bandwidth,
+    fit_ratios,
     format_bytes,
+    half_peak_sizes,
     owner,
     predict_allreduce_seconds,
 )
@@ -68,3 +70,40 @@ def test_exercise_check_reports_a_deadlock(tmp_path, capsys):
     assert not check_all_gather(stuck, nproc=1, timeout=3)
     said = capsys.readouterr().out
     assert "deadlock" in said and "rank 0: " in said and "stuck.py:3" in said, said  # says where the rank waits
+
+
+def test_half_peak_is_read_from_the_measurements():
+    sizes = [1024 * 4**i for i in range(5)]
+    seconds = [1e-3, 1e-3, 1e-3, 2e-3, 8e-3]  # algbw 1, 4, 16, 32, 32 MB/s: half of the highest is 16
+    assert half_peak_sizes(sizes, seconds) == (4096, 16384)
+    assert half_peak_sizes([1024, 4096], [1e-3, 4e-3]) == (None, 1024)  # flat: the first size already has it
+
+
+def test_fit_ratios_are_measured_over_fit():
+    assert fit_ratios([1000, 2000], [2e-3, 1e-3], latency=0.0, bandwidth=1e6) == pytest.approx([2.0, 0.5])
+
+
+def test_exercise_check_names_the_unfilled_own_slot_and_refuses_an_imported_collective(tmp_path, capsys):
+    solution = (WORKERS / "collectives_all_gather_solution.py").read_text()
+    assert "    gathered[rank] = tensor.clone()\n" in solution
+    forgot = tmp_path / "forgot_own.py"
+    forgot.write_text(solution.replace("    gathered[rank] = tensor.clone()\n", "    gathered[rank].fill_(-1)\n"))
+    assert not check_all_gather(forgot)
+    assert "(its own tensor) was never filled" in capsys.readouterr().out
+    renamed = tmp_path / "renamed.py"
+    renamed.write_text("from torch.distributed import all_gather as ag\nag([], None)\n")
+    assert not check_all_gather(renamed)
+    assert "without calling dist.all_gather" in capsys.readouterr().out
+
+
+def test_tour_on_three_ranks_keeps_subgroups_and_averages_apart():
+    """The lesson runs the tour on 4 ranks; 3 gives halves of unequal size ([0, 1] and [2])."""
+    run = launch(WORKERS / "collectives_tour.py", nproc=3, echo=False)
+    assert run.results[0]["subgroups"] == [[0, 1], [2]]
+    starting = [run.results[rank]["tensors"]["all_reduce"]["before"] for rank in range(3)]
+    first_pair = [a + b for a, b in zip(starting[0], starting[1], strict=True)]
+    after = [run.results[rank]["tensors"]["all_reduce in a subgroup"]["after"] for rank in range(3)]
+    assert after == [first_pair, first_pair, starting[2]]  # a group of one all-reduces with itself
+    mean = [sum(column) / 3 for column in zip(*starting, strict=True)]
+    for rank in range(3):
+        assert run.results[rank]["tensors"]["all_reduce(op=AVG)"]["after"] == pytest.approx(mean)

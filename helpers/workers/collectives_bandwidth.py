@@ -1,11 +1,14 @@
 """Time all_reduce over message sizes (1 KB .. 64 MB by default): the cost of communication.
 
-    torchrun --standalone --nproc-per-node 2 helpers/workers/collectives_bandwidth.py --repeats 5
+    torchrun --standalone --nproc-per-node 2 helpers/workers/collectives_bandwidth.py --repeats 10
 
-For each size: one untimed warm-up (buffers, connections), then `repeats` timed calls, each started
-together after a barrier. A call lasts as long as its slowest rank, so we keep the maximum over ranks
-(an all_reduce with MAX) and, over repeats, the median. Rank 0 hands back sizes and seconds.
-Works with any number of processes, on CPU (gloo) or GPUs (nccl, timed with a device synchronize).
+For each size, as nccl-tests' all_reduce_perf does: untimed warm-up calls (buffers, connections), one barrier,
+then `repeats` calls back to back under one timer, with no barrier between them; the time per call is the
+elapsed time divided by `repeats`. Ranks finish at slightly different times, so we keep the slowest rank's
+(an all_reduce with MAX). The barrier's exit skew lands once in the whole loop, not once per call. On a shared
+machine one burst of load can spoil a loop, so the worker runs `--loops` of them (3) and keeps the median.
+Rank 0 hands back sizes and seconds. Works with any number of processes, on CPU (gloo) or GPUs (nccl, timed
+with a device synchronize before and after the loop).
 """
 import argparse
 import statistics
@@ -18,22 +21,26 @@ from helpers.distributed import init_distributed
 from helpers.reporting import progress, report, result
 
 
-def time_all_reduce(tensor: torch.Tensor, repeats: int) -> float:
-    """Median over repeats of the slowest rank's time for one all_reduce of `tensor`."""
-    dist.all_reduce(tensor)  # warm-up
-    samples = []
-    for _ in range(repeats):
-        dist.barrier()
+def time_all_reduce(tensor: torch.Tensor, repeats: int, loops: int = 3, warmup: int = 5) -> float:
+    """Seconds per all_reduce of `tensor`: `repeats` calls back to back under one timer, the slowest rank's
+    time per call; the median of `loops` such loops, so that one burst of load on a shared machine does not decide."""
+    for _ in range(warmup):
+        dist.all_reduce(tensor)
+    per_call = []
+    for _ in range(loops):
+        dist.barrier()  # once per loop, not per call: every rank starts the loop together
         if tensor.is_cuda:
             torch.cuda.synchronize()
         started = time.perf_counter()
-        dist.all_reduce(tensor)
+        for _ in range(repeats):
+            dist.all_reduce(tensor)
         if tensor.is_cuda:
             torch.cuda.synchronize()  # GPU collectives return before they finish
-        elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64, device=tensor.device)
+        elapsed = torch.tensor([(time.perf_counter() - started) / repeats], dtype=torch.float64,
+                               device=tensor.device)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        samples.append(elapsed.item())
-    return statistics.median(samples)
+        per_call.append(elapsed.item())
+    return statistics.median(per_call)
 
 
 def main() -> None:
@@ -41,7 +48,8 @@ def main() -> None:
     parser.add_argument("--min-bytes", type=int, default=1024)
     parser.add_argument("--max-bytes", type=int, default=64 * 1024 * 1024)
     parser.add_argument("--factor", type=int, default=4, help="each size is this many times the last")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=10, help="timed calls per loop, back to back")
+    parser.add_argument("--loops", type=int, default=3, help="timed loops per size; the median is kept")
     args = parser.parse_args()
     rank, world_size, device = init_distributed()
 
@@ -50,12 +58,12 @@ def main() -> None:
     while size <= args.max_bytes:
         sizes.append(size)
         size *= args.factor
+    # untimed: the very first loop of the run is slow (lazy set-up), whatever its size
+    time_all_reduce(torch.ones(sizes[0] // 4, device=device), args.repeats, loops=1)
     seconds = []
     for index, size in enumerate(sizes):
         tensor = torch.ones(size // 4, dtype=torch.float32, device=device)  # 4 bytes per float32
-        seconds.append(time_all_reduce(tensor, args.repeats))
-        if rank == 0:
-            print(f"{size:>12,} bytes: {seconds[-1] * 1e3:8.3f} ms")
+        seconds.append(time_all_reduce(tensor, args.repeats, args.loops))
         report(step=index, bytes=size, seconds=seconds[-1])
         progress(index + 1, total=len(sizes))
     if rank == 0:

@@ -5,6 +5,8 @@
 gloo's send returns only once the peer has posted the matching recv, even for a few bytes, so each rank
 waits for the other until the process group's timeout (here short) ends it. isend/irecv avoid this.
 Each rank hands back the first line of the error it got, or "completed" if the exchange went through.
+gloo only: with nccl, dist.send just queues the transfer on a CUDA stream and returns, so the CPU side would
+report "completed" whatever the GPUs then do; the script refuses to run there.
 """
 import argparse
 import datetime
@@ -24,6 +26,9 @@ def main() -> None:
     rank, world_size, device = init_distributed()
     if world_size < 2:
         raise SystemExit("a deadlock needs two ranks: run it with --nproc-per-node 2")
+    if dist.get_backend() != "gloo":
+        raise SystemExit(f"this demonstrates gloo's blocking send; with {dist.get_backend()} send returns once "
+                         "the transfer is queued, so the outcome here would say nothing: run it on CPUs (gloo)")
     # a group of everyone with a short timeout, so that the wait below ends in seconds, not minutes
     impatient = dist.new_group(timeout=datetime.timedelta(seconds=args.timeout_seconds))
     peer = (rank + 1) % world_size
@@ -34,7 +39,7 @@ def main() -> None:
         outcome = "completed"
     except RuntimeError as error:
         outcome = str(error).splitlines()[0]
-    result(outcome=outcome)
+    result(outcome=outcome, backend=dist.get_backend())
     # no destroy_process_group: the group is broken after a timeout, and exiting is all that is left
 
 

@@ -87,7 +87,7 @@ def main() -> None:
     result(max_abs_diff=max_abs_diff, max_abs_value=reference.abs().max().item(), bytes_sent=bytes_sent,
            ring_os_bytes=ring_os_bytes, library_os_bytes=library_os_bytes,
            tensor_bytes=data.numel() * data.element_size(), world_size=world_size,
-           ring_seconds=ring_seconds, library_seconds=library_seconds)
+           ring_seconds=ring_seconds, library_seconds=library_seconds, backend=dist.get_backend())
     dist.destroy_process_group()
 
 

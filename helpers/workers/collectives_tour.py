@@ -4,8 +4,9 @@
 
 Rank r starts from [10r+1, 10r+2, ...] so that every number says which rank it came from.
 Works with any number of processes, on CPU (gloo) or GPUs (nccl). Under helpers.launch each rank
-hands back {operation: {"before": [...], "after": [...]}}, the barrier's arrival/leave times and
-what the non-blocking (async_op=True) all_reduce's work handle said.
+hands back {operation: {"before": [...], "after": [...]}}, the barrier's arrival/leave times,
+what the non-blocking (async_op=True) all_reduce's work handle said, and the backend's name.
+Every rank makes the same calls in the same order with matching shapes: the first rule of collectives.
 """
 import time
 
@@ -13,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from helpers.distributed import init_distributed
-from helpers.reporting import result
+from helpers.reporting import progress, result
 
 LATE_SECONDS = 0.3  # in the async demo the last rank joins this late, so nobody can finish before
 
@@ -43,11 +44,13 @@ def main() -> None:
     rank, world_size, device = init_distributed()
     length = 4 if 4 % world_size == 0 else world_size  # reduce_scatter and all_to_all need equal chunks
     seen: dict[str, dict[str, list]] = {}
+    steps = 16  # one progress tick per operation below
 
     def record(name: str, before: torch.Tensor | None, after: torch.Tensor | None) -> None:
         """None: this rank has nothing there (e.g. no output on a rank that is not dst)."""
         seen[name] = {"before": [] if before is None else before.cpu().tolist(),
                       "after": [] if after is None else after.cpu().tolist()}
+        progress(len(seen), total=steps)
 
     # send/recv: blocking point-to-point, rank 0 -> rank 1; everyone else just watches
     tensor = starting_tensor(rank, length, device)
@@ -114,6 +117,31 @@ def main() -> None:
     dist.all_gather(pieces, chunk)
     record("all_gather", chunk, torch.cat(pieces))
 
+    # the same two steps on one flat tensor each (what FSDP calls): no list of pieces to allocate or copy.
+    # torch 2.14 names them *_single; all_gather_into_tensor and reduce_scatter_tensor are their deprecated names
+    tensor = starting_tensor(rank, length, device)
+    chunk = torch.empty(length // world_size, device=device)
+    dist.reduce_scatter_single(chunk, tensor)
+    record("reduce_scatter_single", tensor, chunk)
+    flat = torch.empty(length, device=device)
+    dist.all_gather_single(flat, chunk)
+    record("all_gather_single", chunk, flat)
+
+    # AVG: the sum divided by the number of ranks, in one call
+    tensor = starting_tensor(rank, length, device)
+    before = tensor.clone()
+    dist.all_reduce(tensor, op=dist.ReduceOp.AVG)
+    record("all_reduce(op=AVG)", before, tensor)
+
+    # subgroups: every rank must create every group, in the same order, even the groups it is not in;
+    # then each rank all-reduces within its own half of the ranks only
+    halves = [list(range(0, (world_size + 1) // 2)), list(range((world_size + 1) // 2, world_size))]
+    groups = [dist.new_group(members) if members else None for members in halves]
+    tensor = starting_tensor(rank, length, device)
+    before = tensor.clone()
+    dist.all_reduce(tensor, group=groups[0] if rank in halves[0] else groups[1])
+    record("all_reduce in a subgroup", before, tensor)
+
     tensor = starting_tensor(rank, length, device)
     before = tensor.clone()
     handle = non_blocking_all_reduce(tensor, rank, world_size)
@@ -125,7 +153,9 @@ def main() -> None:
     arrived = time.time()
     dist.barrier()
     left = time.time()
-    result(tensors=seen, barrier={"arrived": arrived, "left": left}, work_handle=handle, world_size=world_size)
+    progress(steps, total=steps)
+    result(tensors=seen, barrier={"arrived": arrived, "left": left}, work_handle=handle, world_size=world_size,
+           backend=dist.get_backend(), subgroups=halves)
     dist.destroy_process_group()
 
 

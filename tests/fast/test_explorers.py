@@ -27,6 +27,24 @@ def test_ring_is_the_lessons_model_and_tree_trades_latency_for_bandwidth():
         2**30, 256, LATENCY, BANDWIDTH)
 
 
+def test_tree_levels_and_winners_on_eight_ranks():
+    # log2(8) = 3 levels up and 3 down: 3 x latency + 6 x the message (catches a tree of one level, or of N - 1)
+    assert explorers.allreduce_seconds(2**20, 8, LATENCY, BANDWIDTH, "tree") == pytest.approx(
+        3 * LATENCY + 6 * 2**20 / BANDWIDTH)
+    # catches swapped formulas: the tree wins where latency dominates, the ring where bytes dominate
+    for size, tree_wins in ((2**10, True), (2**30, False)):
+        ring, tree = (explorers.allreduce_seconds(size, 8, LATENCY, BANDWIDTH, a) for a in ("ring", "tree"))
+        assert (tree < ring) == tree_wins
+
+
+def test_allreduce_figure_draws_ring_and_tree_at_once():
+    ax = explorers.allreduce_figure(LATENCY, BANDWIDTH, 8, 2**24, ([1e3, 1e6], [0.8e-3, 2.7e-3]))
+    labels = [line.get_label() for line in ax.get_lines()]
+    assert "8 ranks, ring model" in labels and "8 ranks, tree model" in labels
+    ring = explorers.allreduce_seconds(2**24, 8, LATENCY, BANDWIDTH, "ring") * 1e3
+    assert f"ring {ring:.3g} ms" in ax.get_title()
+
+
 def test_default_cap_is_not_the_same_as_an_explicit_25():
     default, explicit = explorers.ddp_buckets(mlp(256, 14), None), explorers.ddp_buckets(mlp(256, 14), 25)
     assert default["rebuilt"][0] <= 2**20 + 2**17  # the 1 MiB first bucket (plus one whole tensor over the cap)
