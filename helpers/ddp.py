@@ -82,7 +82,8 @@ def check_ddp_worker(script: str | Path, nproc: int = 2) -> bool:
     """Launch the learner's DDP version of ddp_exercise_single.py on `nproc` ranks; say what is still missing.
 
     Prints one line, "Correct: ..." or "Not yet: ...". The untouched starting script gets "Not yet":
-    on 2 ranks it runs twice, each copy on all the data.
+    on 2 ranks it runs twice, each copy on all the data. Both ways of averaging pass: DDP, or all_reduce
+    of every gradient by hand (ddp_exercise_solution.py, ddp_exercise_solution_by_hand.py).
     """
     from helpers.launcher.api import WorkerFailed, launch
 
@@ -104,11 +105,13 @@ def check_ddp_worker(script: str | Path, nproc: int = 2) -> bool:
     rank_diff = max(max_abs_diff(run.results[r]["weights"], run.results[0]["weights"]) for r in range(nproc))
     if rank_diff != 0:  # sharded but not synchronised: each rank learns from its half only
         return not_yet(f"the ranks end with different weights (max abs diff {rank_diff:.1e}): wrap the model in "
-                       f"DistributedDataParallel so that every step averages the gradients.")
+                       f"DistributedDataParallel so that every step averages the gradients (or, by hand: after "
+                       f"backward(), all_reduce every parameter's .grad and divide it by world_size).")
     diff = max_abs_diff(run.results[0]["weights"], reference["weights"])
     if diff >= 1e-5:  # e.g. a per-rank batch of GLOBAL_BATCH, or shuffled shards
         return not_yet(f"the ranks agree, but their weights differ from the one-process run (max abs diff "
                        f"{diff:.1e}): use a per-rank batch of GLOBAL_BATCH // world_size and "
-                       f"DistributedSampler(shuffle=False).")
+                       f"DistributedSampler(shuffle=False); averaging by hand, divide the all_reduce's sum by "
+                       f"world_size.")
     return correct(f"each of {nproc} ranks trained on its own {share} of the {total} samples, the ranks end with "
                    f"identical weights, and those equal the one-process run (max abs diff below 1e-05).")
