@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import ast
 import builtins
+import difflib
+import html
 import re
 from pathlib import Path
 
@@ -46,6 +48,43 @@ def single_process_reference(global_batch: int, steps: int, lr: float = 0.1, see
         optimizer.step()
     return {"first_gradient": first_gradient, "final_weights": flat(list(model.parameters())),
             "checksum": parameter_checksum(model)}
+
+
+# ---------------------------------------------------------------- showing scripts
+
+
+def script_lines(path: Path) -> list[str]:
+    """A script's lines after its module docstring."""
+    text = Path(path).read_text()
+    return text[text.index('"""', 3) + 3:].lstrip().splitlines(keepends=True)
+
+
+def coloured_diff(old: Path, new: Path, context: int = 1):
+    """A unified diff of two scripts (without their docstrings) as HTML: removed lines red, added lines green."""
+    from IPython.display import HTML
+
+    colours = {"-": "#ffebe9", "+": "#dafbe1", "@": "#ddf4ff"}
+    rows = []
+    for line in difflib.unified_diff(script_lines(old), script_lines(new), Path(old).name, Path(new).name,
+                                     n=context):
+        line = line.rstrip("\n")
+        colour = "#eeeeee" if line.startswith(("---", "+++")) else colours.get(line[:1])
+        style = f" style='background:{colour}'" if colour else ""
+        rows.append(f"<div{style}>{html.escape(line) or '&nbsp;'}</div>")
+    return HTML("<pre style='font-size:12px;line-height:1.3'>" + "".join(rows) + "</pre>")
+
+
+def folded_listing(path: Path, summary: str):
+    """A script, syntax-highlighted inside a closed <details> fold that says what it is: open it to read."""
+    from IPython.display import HTML
+    from pygments import highlight
+    from pygments.formatters import HtmlFormatter
+    from pygments.lexers import PythonLexer
+
+    code = highlight(Path(path).read_text(), PythonLexer(), HtmlFormatter(noclasses=True, nobackground=True))
+    lines = len(Path(path).read_text().splitlines())
+    return HTML(f"<details><summary><b>{html.escape(Path(path).name)}</b> ({lines} lines): "
+                f"{html.escape(summary)}. Click to open.</summary>{code}</details>")
 
 
 # ---------------------------------------------------------------- the article's tutorial, as printed
