@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import builtins
 import difflib
+import functools
 import html
 import re
 from pathlib import Path
@@ -117,6 +118,14 @@ def last_error_line(text: str) -> str:
 # ---------------------------------------------------------------- the exercise
 
 
+@functools.cache
+def _one_process_reference() -> dict:
+    """The starting script's result on one process (deterministic, so one launch serves every check)."""
+    from helpers.launcher.api import launch
+
+    return launch(WORKERS / "ddp_exercise_single.py", nproc=1, echo=False).results[0]
+
+
 def check_ddp_worker(script: str | Path, nproc: int = 2) -> bool:
     """Launch the learner's DDP version of ddp_exercise_single.py on `nproc` ranks; say what is still missing.
 
@@ -129,7 +138,7 @@ def check_ddp_worker(script: str | Path, nproc: int = 2) -> bool:
     script = Path(script)
     if not script.is_file():
         return not_yet(f"{script} does not exist yet: write your DDP worker there first.")
-    reference = launch(WORKERS / "ddp_exercise_single.py", nproc=1, echo=False).results[0]
+    reference = _one_process_reference()
     try:
         run = launch(script, nproc=nproc, echo=False, timeout=120)
     except WorkerFailed as error:

@@ -1,5 +1,4 @@
-"""Time a training step four ways in one launch: DDP on every rank, with and without its all-reduce,
-and rank 0 alone on 1 or 2 threads.
+"""Time a training step four ways in one launch: DDP with and without its all-reduce, 1 rank on 1 or 2 threads.
 
     torchrun --standalone --nproc-per-node 2 helpers/workers/ddp_step_time.py --threads 1 2
 
@@ -7,10 +6,11 @@ A step is forward, backward (with DDP: the gradient all-reduce) and the optimize
 already in memory: no data loading, no start-up, no evaluation; always --global-batch samples, split
 over the ranks under DDP. The control "no all-reduce" is DDP with a comm hook that returns each gradient
 bucket unchanged (DistributedDataParallel.register_comm_hook): the same processes, the same DDP
-bookkeeping, no communication, so its difference from DDP is what the all-reduce costs. Thread counts are set with torch.set_num_threads, not inherited. Each block
-times --block-steps steps after --warmup untimed ones, and the settings take turns block by block
-(--repeats rounds), so that a busy moment on the machine hits every setting alike. While rank 0 runs
-alone the other ranks wait in dist.barrier(), and report how much CPU time they used meanwhile.
+bookkeeping, no communication, so its difference from DDP is what the all-reduce costs. Thread counts
+are set with torch.set_num_threads, not inherited. Each block times --block-steps steps after --warmup
+untimed ones, and the settings take turns block by block (--repeats rounds), so that a busy moment on
+the machine hits every setting alike. While rank 0 runs alone the other ranks wait in dist.barrier(),
+and report how much CPU time they used meanwhile.
 """
 import argparse
 import statistics
