@@ -131,7 +131,7 @@ def check_ddp_worker(script: str | Path, nproc: int = 2) -> bool:
 
     Prints one line, "Correct: ..." or "Not yet: ...". The untouched starting script gets "Not yet":
     on 2 ranks it runs twice, each copy on all the data. Both ways of averaging pass: DDP, or all_reduce
-    of every gradient by hand (ddp_exercise_solution.py, ddp_exercise_solution_by_hand.py).
+    of every gradient by hand (ddp_exercise_solution.py, ddp_exercise_by_hand_solution.py).
     """
     from helpers.launcher.api import WorkerFailed, launch
 

@@ -1,6 +1,6 @@
 """Exercise solution, the second way: ddp_exercise_single.py made data-parallel by hand, without DDP.
 
-    torchrun --standalone --nproc-per-node 2 helpers/workers/ddp_exercise_solution_by_hand.py
+    torchrun --standalone --nproc-per-node 2 helpers/workers/ddp_exercise_by_hand_solution.py
 
 What DDP does for this model, written out: start every rank from rank 0's weights, and after each
 backward() average every gradient over the ranks (all_reduce sums, then divide by world_size).
