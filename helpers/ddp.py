@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import ast
 import builtins
+import difflib
+import functools
+import html
 import re
 from pathlib import Path
 
@@ -48,6 +51,43 @@ def single_process_reference(global_batch: int, steps: int, lr: float = 0.1, see
             "checksum": parameter_checksum(model)}
 
 
+# ---------------------------------------------------------------- showing scripts
+
+
+def script_lines(path: Path) -> list[str]:
+    """A script's lines after its module docstring."""
+    text = Path(path).read_text()
+    return text[text.index('"""', 3) + 3:].lstrip().splitlines(keepends=True)
+
+
+def coloured_diff(old: Path, new: Path, context: int = 1):
+    """A unified diff of two scripts (without their docstrings) as HTML: removed lines red, added lines green."""
+    from IPython.display import HTML
+
+    colours = {"-": "#ffebe9", "+": "#dafbe1", "@": "#ddf4ff"}
+    rows = []
+    for line in difflib.unified_diff(script_lines(old), script_lines(new), Path(old).name, Path(new).name,
+                                     n=context):
+        line = line.rstrip("\n")
+        colour = "#eeeeee" if line.startswith(("---", "+++")) else colours.get(line[:1])
+        style = f" style='background:{colour}'" if colour else ""
+        rows.append(f"<div{style}>{html.escape(line) or '&nbsp;'}</div>")
+    return HTML("<pre style='font-size:12px;line-height:1.3'>" + "".join(rows) + "</pre>")
+
+
+def folded_listing(path: Path, summary: str):
+    """A script, syntax-highlighted inside a closed <details> fold that says what it is: open it to read."""
+    from IPython.display import HTML
+    from pygments import highlight
+    from pygments.formatters import HtmlFormatter
+    from pygments.lexers import PythonLexer
+
+    code = highlight(Path(path).read_text(), PythonLexer(), HtmlFormatter(noclasses=True, nobackground=True))
+    lines = len(Path(path).read_text().splitlines())
+    return HTML(f"<details><summary><b>{html.escape(Path(path).name)}</b> ({lines} lines): "
+                f"{html.escape(summary)}. Click to open.</summary>{code}</details>")
+
+
 # ---------------------------------------------------------------- the article's tutorial, as printed
 
 
@@ -78,18 +118,27 @@ def last_error_line(text: str) -> str:
 # ---------------------------------------------------------------- the exercise
 
 
+@functools.cache
+def _one_process_reference() -> dict:
+    """The starting script's result on one process (deterministic, so one launch serves every check)."""
+    from helpers.launcher.api import launch
+
+    return launch(WORKERS / "ddp_exercise_single.py", nproc=1, echo=False).results[0]
+
+
 def check_ddp_worker(script: str | Path, nproc: int = 2) -> bool:
     """Launch the learner's DDP version of ddp_exercise_single.py on `nproc` ranks; say what is still missing.
 
     Prints one line, "Correct: ..." or "Not yet: ...". The untouched starting script gets "Not yet":
-    on 2 ranks it runs twice, each copy on all the data.
+    on 2 ranks it runs twice, each copy on all the data. Both ways of averaging pass: DDP, or all_reduce
+    of every gradient by hand (ddp_exercise_solution.py, ddp_exercise_by_hand_solution.py).
     """
     from helpers.launcher.api import WorkerFailed, launch
 
     script = Path(script)
     if not script.is_file():
         return not_yet(f"{script} does not exist yet: write your DDP worker there first.")
-    reference = launch(WORKERS / "ddp_exercise_single.py", nproc=1, echo=False).results[0]
+    reference = _one_process_reference()
     try:
         run = launch(script, nproc=nproc, echo=False, timeout=120)
     except WorkerFailed as error:
@@ -104,11 +153,13 @@ def check_ddp_worker(script: str | Path, nproc: int = 2) -> bool:
     rank_diff = max(max_abs_diff(run.results[r]["weights"], run.results[0]["weights"]) for r in range(nproc))
     if rank_diff != 0:  # sharded but not synchronised: each rank learns from its half only
         return not_yet(f"the ranks end with different weights (max abs diff {rank_diff:.1e}): wrap the model in "
-                       f"DistributedDataParallel so that every step averages the gradients.")
+                       f"DistributedDataParallel so that every step averages the gradients (or, by hand: after "
+                       f"backward(), all_reduce every parameter's .grad and divide it by world_size).")
     diff = max_abs_diff(run.results[0]["weights"], reference["weights"])
     if diff >= 1e-5:  # e.g. a per-rank batch of GLOBAL_BATCH, or shuffled shards
         return not_yet(f"the ranks agree, but their weights differ from the one-process run (max abs diff "
                        f"{diff:.1e}): use a per-rank batch of GLOBAL_BATCH // world_size and "
-                       f"DistributedSampler(shuffle=False).")
+                       f"DistributedSampler(shuffle=False); averaging by hand, divide the all_reduce's sum by "
+                       f"world_size.")
     return correct(f"each of {nproc} ranks trained on its own {share} of the {total} samples, the ranks end with "
                    f"identical weights, and those equal the one-process run (max abs diff below 1e-05).")

@@ -49,19 +49,28 @@ def test_article_with_every_fix_leaves_no_undefined_name():
     assert undefined_names(article_source(["imports", "port", "gloo", "data", "cpu"])) == []
 
 
-def test_exercise_check_says_not_yet_on_the_start_and_correct_on_the_solution(capsys):
+def test_exercise_check_says_not_yet_on_the_start_and_correct_on_both_solutions(capsys):
     assert not check_ddp_worker(WORKERS / "ddp_exercise_single.py")
     assert capsys.readouterr().out.startswith("Not yet: the ranks trained on [256, 256] samples")
-    assert check_ddp_worker(WORKERS / "ddp_exercise_solution.py")
-    assert capsys.readouterr().out.startswith("Correct: ")
+    for solution in ("ddp_exercise_solution.py", "ddp_exercise_by_hand_solution.py"):
+        assert check_ddp_worker(WORKERS / solution), solution
+        assert capsys.readouterr().out.startswith("Correct: ")
 
 
-@pytest.mark.parametrize("mistake, replacement, message", [
-    ("ddp_model = DDP(model)", "ddp_model = model", "wrap the model in DistributedDataParallel"),
-    ("batch_size=GLOBAL_BATCH // world_size", "batch_size=GLOBAL_BATCH", "GLOBAL_BATCH // world_size"),
+@pytest.mark.parametrize("solution, mistake, replacement, message", [
+    ("ddp_exercise_solution.py", "ddp_model = DDP(model)", "ddp_model = model",
+     "wrap the model in DistributedDataParallel"),
+    ("ddp_exercise_solution.py", "batch_size=GLOBAL_BATCH // world_size", "batch_size=GLOBAL_BATCH",
+     "GLOBAL_BATCH // world_size"),
+    # by hand: forgetting the all_reduce leaves each rank with its own gradients
+    ("ddp_exercise_by_hand_solution.py", "dist.all_reduce(parameter.grad)", "pass",
+     "all_reduce every parameter's .grad and divide it by world_size"),
+    # by hand: the sum of the gradients, not their mean, is a step twice as large
+    ("ddp_exercise_by_hand_solution.py", "parameter.grad /= world_size", "pass",
+     "divide the all_reduce's sum by world_size"),
 ])
-def test_exercise_check_names_what_is_missing(tmp_path, capsys, mistake, replacement, message):
-    solution = (WORKERS / "ddp_exercise_solution.py").read_text()
+def test_exercise_check_names_what_is_missing(tmp_path, capsys, solution, mistake, replacement, message):
+    solution = (WORKERS / solution).read_text()
     assert mistake in solution
     script = tmp_path / "attempt.py"
     script.write_text(solution.replace(mistake, replacement))

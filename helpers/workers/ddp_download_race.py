@@ -6,7 +6,9 @@
 torchvision's MNIST(download=True) calls MNIST.download(), which returns at once if _check_exists()
 finds the files, and _check_exists() only asks whether they exist (check_integrity without an md5).
 `fetch` below does the same with a slow fake download (no network needed): write a file in chunks
-unless it exists. Every rank calls it at the same moment, rank 1 a little later, as in the article.
+unless it exists. Rank 0 calls it at once; rank 1 is staged to call it as soon as rank 0's file appears,
+that is, while it is still being written (a real rank 1 might come earlier, and download too, or after
+the download ended, and read a complete file: the race decides, which is the bug).
 """
 import argparse
 import os
@@ -47,7 +49,10 @@ def main() -> None:
         action = fetch(path) if rank == 0 else "waited for rank 0"
         dist.barrier()  # nobody reads before rank 0 has finished writing
     else:
-        time.sleep(0.1 * rank)  # rank 1 arrives a moment later
+        if rank > 0:  # staged: rank 1 arrives while rank 0 is writing (a real rank arrives whenever it does)
+            deadline = time.monotonic() + 10
+            while not path.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
         action = fetch(path)
     size = path.stat().st_size  # what this rank would now read as its data set
     result(action=action, bytes_read=size, complete=size == CHUNKS * len(CHUNK))

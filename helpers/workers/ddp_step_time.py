@@ -1,13 +1,16 @@
-"""Time a training step three ways in one launch: DDP on every rank, and rank 0 alone on 1 or 2 threads.
+"""Time a training step four ways in one launch: DDP with and without its all-reduce, 1 rank on 1 or 2 threads.
 
     torchrun --standalone --nproc-per-node 2 helpers/workers/ddp_step_time.py --threads 1 2
 
 A step is forward, backward (with DDP: the gradient all-reduce) and the optimizer step, on a batch
 already in memory: no data loading, no start-up, no evaluation; always --global-batch samples, split
-over the ranks under DDP. Thread counts are set with torch.set_num_threads, not inherited. Each block
-times --block-steps steps after --warmup untimed ones, and the settings take turns block by block
-(--repeats rounds), so that a busy moment on the machine hits every setting alike. While rank 0 runs
-alone the other ranks wait in dist.barrier(), and report how much CPU time they used meanwhile.
+over the ranks under DDP. The control "no all-reduce" is DDP with a comm hook that returns each gradient
+bucket unchanged (DistributedDataParallel.register_comm_hook): the same processes, the same DDP
+bookkeeping, no communication, so its difference from DDP is what the all-reduce costs. Thread counts
+are set with torch.set_num_threads, not inherited. Each block times --block-steps steps after --warmup
+untimed ones, and the settings take turns block by block (--repeats rounds), so that a busy moment on
+the machine hits every setting alike. While rank 0 runs alone the other ranks wait in dist.barrier(),
+and report how much CPU time they used meanwhile.
 """
 import argparse
 import statistics
@@ -21,6 +24,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from helpers.distributed import init_distributed
 from helpers.models import build_model
 from helpers.reporting import result
+
+
+def no_all_reduce(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """A DDP comm hook that communicates nothing: each rank keeps its own gradients (a timing control only)."""
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
 
 
 def block_median(model: nn.Module, batch: int, steps: int, warmup: int) -> float:
@@ -54,12 +64,17 @@ def main() -> None:
     for _ in range(args.repeats):
         for name in args.model:
             torch.manual_seed(0)
-            if world_size > 1:  # every rank: DDP, one thread each
+            if world_size > 1:  # every rank: DDP, one thread each, with and without the all-reduce
                 torch.set_num_threads(1)
-                seconds = block_median(DDP(build_model(name)), args.global_batch // world_size,
-                                       args.block_steps, args.warmup)
-                blocks.setdefault(f"{name}, {world_size} rank(s) x {torch.get_num_threads()} thread(s)",
-                                 []).append(seconds)
+                for hook, label in ((None, ""), (no_all_reduce, ", no all-reduce")):
+                    model = DDP(build_model(name))
+                    if hook is not None:
+                        model.register_comm_hook(None, hook)
+                    dist.barrier()  # both ranks start the block together ...
+                    seconds = block_median(model, args.global_batch // world_size, args.block_steps, args.warmup)
+                    dist.barrier()  # ... and neither goes on while the other still trains (no hook: no meeting)
+                    blocks.setdefault(f"{name}, {world_size} rank(s) x {torch.get_num_threads()} thread(s){label}",
+                                     []).append(seconds)
             for threads in args.threads:  # rank 0 alone, the whole global batch
                 if rank == 0:
                     torch.set_num_threads(threads)

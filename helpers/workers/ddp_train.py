@@ -90,19 +90,22 @@ def main() -> None:
     step, train_seconds, accuracy = 0, 0.0, float("nan")
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)  # a new shuffle every epoch, the same one on every rank
-        started = time.perf_counter()
+        started, epoch_losses = time.perf_counter(), []
         for images, labels in itertools.islice(loader, total_steps - step):
             loss = nn.functional.cross_entropy(model(images.to(device)), labels.to(device))
             optimizer.zero_grad()
             loss.backward()  # DDP averages the gradients over all ranks here
             optimizer.step()
             report(step=step, loss=loss.item(), epoch=epoch)
+            epoch_losses.append(loss.item())
             step += 1
             progress(step, total=total_steps)
         train_seconds += time.perf_counter() - started
         accuracy = evaluate(model, device, rank, world_size)
         if rank == 0:
-            print(f"epoch {epoch}: last loss {loss.item():.3f}, test accuracy {accuracy:.3f}")
+            mean_loss = sum(epoch_losses) / len(epoch_losses)  # one batch's loss is too noisy to read
+            print(f"epoch {epoch}: mean training loss {mean_loss:.3f} (rank 0's batches), "
+                  f"test accuracy {accuracy:.3f}")
         if step == total_steps:
             break
 
