@@ -47,7 +47,7 @@ def test_evidence_is_read_from_the_run() -> None:
     report = NaiveDataParallel(model, 3).train_step(images, labels, nn.functional.cross_entropy,
                                                     torch.optim.Adam(model.parameters()))
     for device, work in enumerate(report.per_device):
-        assert work["hook_threads"] == {f"device {device}"} and work["hooks_fired"] > 0
+        assert work["hook_threads"] == {f"our thread for device {device}"} and work["hooks_fired"] > 0
         assert work["weights_are_leaves"] == work["weights_with_grad"] == work["replica_parameters"] == 0
         assert work["weight_grad_fn"] == "BroadcastBackward"
     first, *others = report.per_device
