@@ -22,7 +22,7 @@ from helpers.distributed import init_distributed
 from helpers.models import mlp
 from helpers.reporting import result
 
-# c10d's op is the call that hands a bucket to the backend; gloo/nccl events are the transfer itself.
+# c10d's op is the call that hands a bucket to the backend; gloo's event is the transfer itself (with waiting).
 ISSUED, RUNNING = "c10d::allreduce_", "gloo:all_reduce"
 
 
