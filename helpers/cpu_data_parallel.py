@@ -7,12 +7,14 @@
     counter = AllreduceCounter()
     ddp.register_comm_hook(counter, counting_allreduce_hook)   # counter.calls, counter.bucket_numels
 
-`nn.DataParallel` needs GPUs: on CPU it is a pass-through, and torch.nn.parallel's replicate, scatter,
-parallel_apply and gather refuse CPU tensors. NaiveDataParallel runs DataParallel's algorithm on CPU
-"devices" (one thread and one set of weights per device) with the same autograd structure as torch's
-(torch/nn/parallel/replicate.py, _functions.py): replicas are built by Module._replicate_for_data_parallel,
-their weights are non-leaf outputs of a Broadcast function, and the gradients reach the module's own
-parameters through Broadcast's backward, which sums them over the devices.
+`nn.DataParallel` needs GPUs: on CPU it is a pass-through, and in torch 2.14.1 none of torch.nn.parallel's
+four functions runs on CPU tensors: scatter ends in comm.scatter (CUDA), replicate in Broadcast.forward
+(_functions.py:13-14), parallel_apply asks for an accelerator (parallel_apply.py:70-73), gather in
+Gather.forward (_functions.py:85-86). So NaiveDataParallel is OUR rebuild of DataParallel's algorithm on
+CPU "devices" (one thread and one set of weights per device). Only its replicate step is torch's own code:
+torch.nn.parallel.replicate, with its device copy (_broadcast_coalesced_reshape) swapped for our CPU
+Broadcast below. scatter, parallel_apply, gather, the Broadcast and the split of the backward are ours.
+The gradients reach the module's own parameters through Broadcast's backward, which sums them over the devices.
 """
 import sys
 import threading
@@ -31,7 +33,8 @@ PHASES = ("scatter", "replicate", "forward", "gather", "loss", "backward", "redu
 
 
 def scatter(batch: torch.Tensor, num_devices: int) -> list[torch.Tensor]:
-    """Step 1: split the batch along dim 0, one chunk per device (DP copies each chunk to its GPU)."""
+    """Step 1, ours: split the batch along dim 0, one chunk per device. These are views in the same RAM: no copy,
+    where torch's scatter copies each chunk to its GPU."""
     return list(torch.chunk(batch, num_devices))
 
 
@@ -72,7 +75,9 @@ def replicate(module: nn.Module, num_devices: int, log: dict | None = None) -> t
 
     Each replica module comes from torch's own Module._replicate_for_data_parallel (it has no parameters of
     its own); its weights are Broadcast's outputs, set as plain attributes: non-leaf tensors with no .grad.
-    Buffers are shared, not broadcast (the models here have none). Returns the replicas and their weights.
+    Ours, shown for reading: it skips buffers, which torch's replicate broadcasts every iteration
+    (replicate.py:138-153). NaiveDataParallel uses torch's own replicate (torch_replicate_on_cpu).
+    Returns the replicas and their weights.
     """
     params = list(module.parameters())
     weights = _broadcast(params, num_devices, log)
@@ -89,14 +94,22 @@ def replicate(module: nn.Module, num_devices: int, log: dict | None = None) -> t
     return replicas, weights
 
 
-def torch_replicate_on_cpu(module: nn.Module, num_devices: int) -> list[nn.Module]:
-    """torch.nn.parallel.replicate itself, run on CPU: only its device copy is swapped for Broadcast above.
+def torch_replicate_on_cpu(module: nn.Module, num_devices: int, log: dict | None = None,
+                           weights: list | None = None) -> list[nn.Module]:
+    """torch.nn.parallel.replicate itself, run on CPU: only its device copy is swapped for our Broadcast above.
 
     replicate() moves tensors with _broadcast_coalesced_reshape (torch's Broadcast, GPUs only); every other line
-    that runs is torch's own. Devices are given as indices, which replicate() accepts without a GPU.
+    that runs is torch's own, buffers included. Devices are given as indices, which replicate() accepts without
+    a GPU. If `weights` is a list, the parameters' copies (one list per device) are appended to it.
     """
+    calls: list[int] = []
+
     def broadcast_on_cpu(tensors, devices, detach=False):
-        copies = _broadcast(tensors, len(devices)) if tensors else []
+        parameters = not calls  # replicate() broadcasts the parameters first (replicate.py:136), then buffers
+        calls.append(len(tensors))
+        copies = _broadcast(tensors, len(devices), log if parameters else None) if tensors else []
+        if parameters and weights is not None:
+            weights.extend(copies)
         return [[t.detach() for t in device] for device in copies] if detach else copies
 
     replicate_py = sys.modules["torch.nn.parallel.replicate"]  # the module; torch.nn.parallel.replicate is the function
@@ -105,12 +118,13 @@ def torch_replicate_on_cpu(module: nn.Module, num_devices: int) -> list[nn.Modul
 
 
 def parallel_apply(function: Callable[[int], None], num_devices: int, parallel: bool = True) -> None:
-    """Run function(device) for every device, in one thread each (DP's threads in ONE process)."""
+    """Ours: run function(device) for every device, one thread each, in ONE process, as torch's parallel_apply does
+    on GPUs (torch's refuses to run without an accelerator: parallel_apply.py:70-73)."""
     if not parallel:
         for device in range(num_devices):
             function(device)
         return
-    threads = [threading.Thread(target=function, args=(device,), name=f"device {device}")
+    threads = [threading.Thread(target=function, args=(device,), name=f"our thread for device {device}")
                for device in range(num_devices)]
     for thread in threads:
         thread.start()
@@ -119,7 +133,8 @@ def parallel_apply(function: Callable[[int], None], num_devices: int, parallel: 
 
 
 def gather(outputs: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Step 4: concatenate the outputs on device 0, where the loss is computed (its backward splits the grad)."""
+    """Step 4, ours: concatenate the outputs on device 0, where the loss is computed (its backward splits the grad).
+    A torch.cat in the same RAM, where torch's gather copies every output to device 0."""
     return torch.cat(list(outputs))
 
 
@@ -169,7 +184,8 @@ class NaiveDataParallel:
         t0 = start = clock()
         chunks = scatter(inputs, n)
         seconds["scatter"], start = clock() - start, clock()
-        replicas, weights = replicate(self.module, n, log)
+        weights: list[list[torch.Tensor]] = []
+        replicas = torch_replicate_on_cpu(self.module, n, log, weights)  # torch's replicate, our CPU Broadcast
         seconds["replicate"], start = clock() - start, clock()
 
         outputs: list = [None] * n

@@ -1,7 +1,7 @@
 """Lesson 03's library (DataParallel vs DDP): the reference gradients, DP's traffic, and overlap arithmetic.
 
     from helpers.dp_vs_ddp import check_traffic, measured_traffic, overlap, single_device_gradients
-    measured_traffic(model, num_devices=2)     # bytes our CPU DataParallel moved in one iteration
+    measured_traffic(model, num_devices=2)     # bytes our CPU DataParallel's Broadcast copied in one iteration
     overlap(events)                            # how much all-reduce time falls inside backward compute
 
 Our rebuild of DataParallel itself is helpers/cpu_data_parallel.py; the counting comm hook is in
@@ -28,7 +28,9 @@ def single_device_gradients(module: nn.Module, inputs: torch.Tensor, targets: to
 
 
 def measured_traffic(module: nn.Module, num_devices: int, batch: int = 12) -> dict[str, int]:
-    """Bytes NaiveDataParallel moved between devices in one iteration: weights out, gradients back."""
+    """Bytes our rebuild's Broadcast copied out (weights) and received back (gradients) in one iteration.
+
+    A count of the tensors our CPU Broadcast cloned and summed, not a measurement of torch's GPU traffic."""
     generator = torch.Generator().manual_seed(0)
     inputs = torch.rand(batch, 1, 28, 28, generator=generator)
     targets = torch.randint(0, 10, (batch,), generator=generator)
@@ -39,7 +41,9 @@ def measured_traffic(module: nn.Module, num_devices: int, batch: int = 12) -> di
 
 
 def check_traffic(traffic: Callable[[int, int], int]) -> bool:
-    """The exercise's check: does traffic(parameter_bytes, num_devices) give the bytes DP moves per iteration?"""
+    """The exercise's check: does traffic(parameter_bytes, num_devices) give the bytes DP moves per iteration?
+
+    Compared with what our rebuild's Broadcast copied and received (measured_traffic)."""
     for name, build in (("SimpleModel", SimpleModel), ("mlp(256, 14)", lambda: mlp(256, 14))):
         model = build()
         parameter_bytes = nbytes(model.parameters())
@@ -57,9 +61,9 @@ def check_traffic(traffic: Callable[[int, int], int]) -> bool:
             if answer == expected * num_devices // (num_devices - 1):
                 return not_yet("device 0 keeps the module's own weights: nothing is copied to or from it.")
             return not_yet(f"{name}, {num_devices} devices, {parameter_bytes:,} parameter bytes: "
-                           f"you said {answer:,}, the run moved {expected:,} bytes.")
+                           f"you said {answer:,}, our rebuild's Broadcast moved {expected:,} bytes.")
     return correct("weights out to every device but the first, gradients back from them: "
-                   "2 x (devices - 1) x parameter bytes per iteration, as the runs measured.")
+                   "2 x (devices - 1) x parameter bytes per iteration, as our rebuild's Broadcast counted them.")
 
 
 # ---------------------------------------------------------------------------- DDP: overlap, measured

@@ -47,7 +47,7 @@ def test_evidence_is_read_from_the_run() -> None:
     report = NaiveDataParallel(model, 3).train_step(images, labels, nn.functional.cross_entropy,
                                                     torch.optim.Adam(model.parameters()))
     for device, work in enumerate(report.per_device):
-        assert work["hook_threads"] == {f"device {device}"} and work["hooks_fired"] > 0
+        assert work["hook_threads"] == {f"our thread for device {device}"} and work["hooks_fired"] > 0
         assert work["weights_are_leaves"] == work["weights_with_grad"] == work["replica_parameters"] == 0
         assert work["weight_grad_fn"] == "BroadcastBackward"
     first, *others = report.per_device
@@ -140,3 +140,34 @@ def test_overlap_worker_returns_profiled_steps_with_every_kind_of_event() -> Non
     for events in res["steps"]:
         assert {e["kind"] for e in events} == {"backward", "all-reduce issued", "all-reduce running"}
         assert 0 <= overlap(events)["fraction"] <= 1
+
+
+def test_naive_data_parallel_builds_its_replicas_with_torchs_replicate(monkeypatch) -> None:
+    """The replicate step of our rebuild is torch.nn.parallel.replicate itself (only its device copy is ours)."""
+    calls = []
+    real = torch.nn.parallel.replicate
+    monkeypatch.setattr(torch.nn.parallel, "replicate",
+                        lambda *args, **kwargs: calls.append(args) or real(*args, **kwargs))
+    images, labels = _batch(6)
+    model = SimpleModel()
+    NaiveDataParallel(model, 2, evidence=False).train_step(images, labels, nn.functional.cross_entropy,
+                                                           torch.optim.SGD(model.parameters(), lr=0.0))
+    assert len(calls) == 1 and calls[0][0] is model
+
+
+def test_batchnorm_running_stats_persist_from_device_0_only() -> None:
+    """DataParallel's buffer pitfall (data_parallel.py:81-92), reproduced by torch's replicate in our rebuild:
+    the module's running mean afterwards is the one computed from device 0's chunk alone, not the whole batch."""
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Flatten(), nn.Linear(784, 8), nn.BatchNorm1d(8), nn.Linear(8, 10))
+
+    model, device_0_only, whole_batch = build(), build(), build()
+    images, labels = _batch(8)
+    images[4:] += 5.0  # device 1's chunk has other statistics
+    NaiveDataParallel(model, 2, evidence=False).train_step(images, labels, nn.functional.cross_entropy,
+                                                           torch.optim.SGD(model.parameters(), lr=0.0))
+    device_0_only(images[:4])
+    whole_batch(images)
+    assert torch.allclose(model[2].running_mean, device_0_only[2].running_mean)
+    assert not torch.allclose(model[2].running_mean, whole_batch[2].running_mean)

@@ -3,7 +3,8 @@
     torchrun --standalone --nproc-per-node 2 helpers/workers/dp_vs_ddp_buckets.py --caps default 0.5 1 25
 
 For each setting ("default" means no bucket_cap_mb argument at all), wraps the same deep MLP in DDP,
-counts the all-reduce calls of every step with a comm hook (one call per bucket) and times the steps.
+counts the all-reduce calls of every step with a comm hook (one call per bucket), then times the same steps
+with a second DDP model that has no hook (a Python hook runs once per bucket, inside the backward we time).
 Step 1 runs with the buckets DDP built at construction (one for the whole model); at the start of step 2's
 forward DDP rebuilds them in the order the first backward produced the gradients (_pre_forward calls
 reducer._rebuild_buckets()), so steps 2.. show the buckets training really uses. DDP's logger records the
@@ -49,8 +50,13 @@ def sweep_one(cap: float | None, steps: int, images: torch.Tensor, labels: torch
         counter.reset()
         seconds.append(one_step(model, optimizer, images, labels))
         buckets.append([round(n * 4 / MIB, 3) for n in counter.bucket_numels])
-    later = sorted(seconds[1:])
     logged = model._get_ddp_logging_data()  # DDP's own record: the rebuilt bucket sizes, in bytes
+    del model, optimizer
+    torch.manual_seed(0)
+    timed = DDP(mlp(256, 14).to(images.device), **options)  # no comm hook: DDP's built-in all-reduce, as in training
+    timed_optimizer = torch.optim.SGD(timed.parameters(), lr=0.01)
+    seconds = [one_step(timed, timed_optimizer, images, labels) for _ in range(steps)]
+    later = sorted(seconds[1:])
     return {"setting": "default" if cap is None else f"{cap:g}", "bucket_cap_mb": cap,
             "first_step_buckets_mib": buckets[0], "buckets_mib": buckets[-1],
             "calls_per_step": len(buckets[-1]),

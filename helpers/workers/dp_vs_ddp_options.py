@@ -4,8 +4,10 @@
 
 For each setting: median milliseconds per step (of `--steps` in total, the first two not timed), DDP's
 buckets, and how many separate gradient buffers exist (gradient_as_bucket_view makes each .grad a view
-into DDP's bucket, so gradients are not stored twice). Last, a model with a branch it never uses,
-without find_unused_parameters: DDP waits for gradients that never come and says so on the next iteration.
+into DDP's bucket, so gradients are not stored twice; the steps zero the gradients with set_to_none=False,
+without which the views do not survive a step). Last, a model with a branch it never uses, without
+find_unused_parameters: DDP waits for gradients that never come and says so on the next iteration; and a
+model with a frozen layer, which needs no find_unused_parameters: DDP never registers it.
 gloo on CPU, nccl on GPUs.
 """
 import argparse
@@ -45,7 +47,10 @@ def median_step_ms(model: DDP, images: torch.Tensor, labels: torch.Tensor, steps
     seconds = []
     for _ in range(steps):
         start = time.perf_counter()
-        optimizer.zero_grad(set_to_none=False)  # keep .grad tensors, so bucket views stay views
+        # set_to_none=False keeps the .grad tensors, so bucket views stay views. With set_to_none=True (the default)
+        # the view is dropped every step and the next gradient is copied into the bucket again
+        # (DistributedDataParallel's docstring, batched_grad_copy, torch/nn/parallel/distributed.py:782-792).
+        optimizer.zero_grad(set_to_none=False)
         torch.nn.functional.cross_entropy(model(images), labels).backward()
         optimizer.step()
         if images.is_cuda:
@@ -64,6 +69,17 @@ def unused_branch_error(device: torch.device) -> str:
     except RuntimeError as error:
         return str(error).split(". ")[0] + "."
     return "no error"
+
+
+def frozen_head(device: torch.device) -> dict:
+    """A frozen layer (requires_grad_(False)) under default DDP: 3 steps, and how many tensors DDP registered."""
+    model = nn.Sequential(nn.Linear(8, 4), nn.Linear(4, 4)).to(device)
+    model[1].requires_grad_(False)  # frozen: DDP only registers parameters that require grad
+    ddp = DDP(model)
+    for _ in range(3):
+        ddp(torch.rand(4, 8, device=device)).sum().backward()
+    return {"steps": 3, "parameters": len(list(model.parameters())),
+            "registered": int(ddp._get_ddp_logging_data()["num_parameter_tensors"])}
 
 
 def main() -> None:
@@ -92,7 +108,7 @@ def main() -> None:
                          "grad_mib": round(grad_mib, 2), "buckets": len(buckets.split(", ")) if buckets else 0}})
         if rank == 0:
             print(f"{name}: {step_ms:.1f} ms per step, gradients in {storages} buffers")
-    result(unused_error=unused_branch_error(device))
+    result(unused_error=unused_branch_error(device), frozen_head=frozen_head(device))
     dist.destroy_process_group()
 
 

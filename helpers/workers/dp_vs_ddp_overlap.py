@@ -5,9 +5,11 @@
 After `--steps` - `--profiled` settling steps (DDP rebuilds its buckets after the first), rank 0 records
 `--profiled` steps with torch.profiler and hands back, per step, the backward ops (on the training
 thread), the moments each bucket's all-reduce was issued (`c10d::allreduce_`, on the training thread) and
-the all-reduce running in the backend's own thread (`gloo:all_reduce`; with nccl, the CUDA kernel), as
-spans in microseconds from the start of that step's backward. helpers.dp_vs_ddp.overlap measures them.
-gloo on CPU, nccl on GPUs; works with one process too.
+the all-reduce running in gloo's own thread (`gloo:all_reduce`), as spans in microseconds from the start of
+that step's backward. helpers.dp_vs_ddp.overlap measures them.
+CPU and gloo only, and it refuses CUDA: there the backward events on the CPU are only the launches, running
+ahead of the GPU, so "compute" would have to be the compute stream's kernels, which this worker does not read.
+Works with one process too.
 """
 import argparse
 
@@ -20,8 +22,8 @@ from helpers.distributed import init_distributed
 from helpers.models import mlp
 from helpers.reporting import result
 
-# c10d's op is the call that hands a bucket to the backend; gloo/nccl events are the transfer itself.
-ISSUED, RUNNING = "c10d::allreduce_", ("gloo:all_reduce", "nccl:all_reduce", "ncclDevKernel_AllReduce")
+# c10d's op is the call that hands a bucket to the backend; gloo's event is the transfer itself (with waiting).
+ISSUED, RUNNING = "c10d::allreduce_", "gloo:all_reduce"
 
 
 def kind_of(name: str) -> str | None:
@@ -63,6 +65,9 @@ def main() -> None:
         parser.error("--steps must exceed --profiled: DDP rebuilds its buckets after the first step")
 
     rank, _, device = init_distributed()
+    if device.type != "cpu":
+        raise SystemExit("dp_vs_ddp_overlap.py measures CPU-side spans (gloo): on GPUs, profile the kernels of the "
+                         "compute stream against NCCL's kernels instead (see the lesson, section 6)")
     torch.manual_seed(0)
     # No Python comm hook here: it would add Python work (and the GIL) inside the backward we measure.
     model = DDP(mlp(256, 14).to(device), bucket_cap_mb=args.bucket_cap_mb)
@@ -72,13 +77,10 @@ def main() -> None:
     def step() -> None:
         model.zero_grad(set_to_none=True)
         torch.nn.functional.cross_entropy(model(images), labels).backward()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
 
     for _ in range(args.steps - args.profiled):
         step()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(args.profiled):
             with record_function("profiled step"):
                 step()

@@ -7,8 +7,9 @@
 Every mode trains the same wide MLP (matrix multiplies dominate) for `--steps` steps on the same
 batches and times the steps after the first two:
 - ddp: one process per rank, one intra-op thread each, DistributedDataParallel, global-batch / world size per rank;
-- dp: one process; on CPU helpers.cpu_data_parallel.NaiveDataParallel with `--devices` threads and one intra-op thread
-  (so as many threads compute as DDP has processes); with 2+ GPUs, the real nn.DataParallel;
+- dp: one process; on CPU our rebuild, helpers.cpu_data_parallel.NaiveDataParallel, with `--devices` threads and one
+  intra-op thread (so as many threads compute as DDP has processes), and its median time per phase;
+  with 2+ GPUs, the real nn.DataParallel;
 - single: one process, no wrapper, `--threads` intra-op threads: what the same cores do without any DP.
 Each mode hands back its median step time and a checksum of the trained weights, which must agree.
 """
@@ -77,10 +78,12 @@ def main() -> None:
     else:
         wrapped = model
 
+    phases: list[dict[str, float]] = []
+
     def step(images: torch.Tensor, labels: torch.Tensor) -> None:
         optimizer.zero_grad(set_to_none=True)
         if args.mode == "dp" and gpus < 2:
-            naive.train_step(images, labels, loss_fn, optimizer)
+            phases.append(naive.train_step(images, labels, loss_fn, optimizer).phase_seconds)
             return
         loss_fn(wrapped(images), labels).backward()
         optimizer.step()
@@ -91,9 +94,11 @@ def main() -> None:
     if rank == 0:
         what = {"ddp": f"DDP, {world_size} processes x 1 thread", "single": f"1 process x {args.threads} threads",
                 "dp": (f"nn.DataParallel on {gpus} GPUs" if gpus >= 2 else
-                       f"NaiveDataParallel, 1 process x {args.devices} device threads")}[args.mode]
+                       f"our CPU DataParallel, 1 process x {args.devices} device threads")}[args.mode]
+        phase_ms = {name: 1000 * sorted(p[name] for p in phases[2:])[len(phases[2:]) // 2] for name in phases[0]} \
+            if phases else {}
         result(mode=args.mode, what=what, step_ms=1000 * timed[len(timed) // 2],
-               step_ms_all=[1000 * s for s in seconds],
+               step_ms_all=[1000 * s for s in seconds], phase_ms=phase_ms,
                checksum=float(weights.sum()), abs_checksum=float(weights.abs().sum()),
                parameters=weights.numel(), global_batch=args.global_batch, steps=args.steps)
         print(f"{what}: {1000 * timed[len(timed) // 2]:.1f} ms per step (median of {len(timed)})")
