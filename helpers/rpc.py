@@ -32,5 +32,6 @@ def check_counter(script: str) -> bool:
                         "threading.Lock")
     if problems:
         return not_yet("; ".join(problems) + ".")
-    return correct(f"your script reports worker1 as the counter's owner; ten add() calls ran there at once (in less than "
-                   f"{SERIAL_SECONDS} s), and the lock kept every update: they returned 1..10 and the total is 10.")
+    return correct(f"your script reports worker1 as the counter's owner; ten add() calls ran there at once (in less "
+                   f"than {SERIAL_SECONDS} s), and the lock kept every update: they returned 1..10 and the total is "
+                   "10.")
