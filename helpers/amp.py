@@ -9,6 +9,8 @@ lesson's exercise. The training runs themselves are worker scripts (helpers/work
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 from collections.abc import Callable
 
 import matplotlib.pyplot as plt
@@ -23,11 +25,11 @@ FORMATS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def format_facts() -> dict[str, dict[str, float | int]]:
-    """Bits, range and precision of fp32, fp16 and bf16, straight from torch.finfo."""
+    """Bits, range and precision of fp32, fp16 and bf16, from torch.finfo (mantissa bits: eps = 2^-mantissa)."""
     facts = {}
     for name, dtype in FORMATS.items():
         info = torch.finfo(dtype)
-        mantissa_bits = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}[dtype]
+        mantissa_bits = -int(torch.log2(torch.tensor(info.eps, dtype=torch.float64)).item())
         facts[name] = {
             "bits": info.bits,
             "exponent bits": info.bits - 1 - mantissa_bits,
@@ -116,7 +118,7 @@ def plot_gradient_histogram(grads: torch.Tensor, scales: dict[str, float],
     info = torch.finfo(torch.float16)
     for name, scale in scales.items():
         ax.hist(torch.log2(grads.abs() * scale).numpy(), bins=80, alpha=0.5, label=name)
-    ax.axvline(-25, color="k", ls="--", lw=1)  # half the smallest subnormal, 2^-24: at or below it, rounds to 0
+    ax.axvline(-25, color="k", ls="--", lw=1)  # 2^-25, half the smallest subnormal 2^-24: at or below it, rounds to 0
     ax.axvline(torch.log2(torch.tensor(info.tiny)).item(), color="k", ls=":", lw=1)
     ax.axvline(torch.log2(torch.tensor(info.max)).item(), color="r", ls="--", lw=1)
     ax.text(-25.5, ax.get_ylim()[1] * 0.9, "fp16 zero below", ha="right", fontsize=8)
@@ -186,6 +188,41 @@ def parameter_casts(contexts: int, passes_per_context: int, cache_enabled: bool 
                 for _ in range(passes_per_context):
                     layer(batch)
     return counter.casts
+
+
+def cast_bytes_alive(model: nn.Module, images: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> dict[str, float]:
+    """Bytes per parameter held by autocast's 16-bit copies of the parameters, at three moments of one step.
+
+    Keeps a weak reference to every tensor that aten._to_copy makes from an nn.Parameter (autocast's casts: the
+    cache, aten/src/ATen/autocast_mode.cpp `cached_cast`, and what autograd saved of them), and sums the bytes
+    of those still alive: at the end of the forward pass inside the context, after the context exits
+    (torch.clear_autocast_cache() in autocast.__exit__, torch/amp/autocast_mode.py), and after backward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    casts: list[weakref.ref] = []
+
+    class KeepParameterCasts(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten._to_copy.default and isinstance(args[0], nn.Parameter):
+                casts.append(weakref.ref(out))
+            return out
+
+    count = sum(p.numel() for p in model.parameters())
+
+    def alive() -> float:
+        gc.collect()
+        return sum(t.untyped_storage().nbytes() for ref in casts if (t := ref()) is not None) / count
+
+    seen = {}
+    with KeepParameterCasts():
+        with torch.autocast("cpu", dtype=dtype):
+            loss = model(images).float().square().mean()
+            seen["end of forward, inside autocast"] = alive()
+        seen["after autocast exits"] = alive()
+        loss.backward()
+        seen["after backward"] = alive()
+    return seen
 
 
 def bytes_per_parameter(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, float]:

@@ -9,7 +9,9 @@ precisions (torch.autocast); the weights, gradients and optimizer state stay fp3
 fp16 needs a GradScaler (its range is narrow); bf16 has fp32's range and does not.
 `--precision all` trains fp32, fp16 and bf16 one after another (on a GPU: bf16 only where the GPU has it
 natively, Ampere or newer; torch.cuda.is_bf16_supported() alone also says True where it is only emulated)
-and prints each one's speed relative to fp32.
+and prints each one's speed relative to fp32. On a GPU "fp32" is torch's default, in which cuDNN runs fp32
+convolutions as TF32 on Ampere and newer (torch.backends.cudnn.allow_tf32 is True; matmuls stay fp32:
+torch.backends.cuda.matmul.allow_tf32 is False); --no-tf32 turns TF32 off for a plain-fp32 baseline.
 """
 import argparse
 import statistics
@@ -74,6 +76,9 @@ def compare(model_name: str, steps: int, per_rank_batch: int, device: torch.devi
         precisions.append("bf16")
     train("fp32", model_name, 5, per_rank_batch, device)  # warm-up: allocator, CUDA context, cuDNN autotuning
     outcomes = {p: train(p, model_name, steps, per_rank_batch, device) for p in precisions}
+    if device.type == "cuda":
+        print(f"fp32 here means: TF32 for cuDNN convolutions {torch.backends.cudnn.allow_tf32}, "
+              f"for matmuls {torch.backends.cuda.matmul.allow_tf32}")
     for p, o in outcomes.items():
         speedup = outcomes["fp32"]["ms_per_step"] / o["ms_per_step"]
         memory = f", peak memory {o['peak_memory_mb']:.0f} MiB" if o["peak_memory_mb"] is not None else ""
@@ -88,7 +93,11 @@ def main() -> None:
     parser.add_argument("--model", default="cnn")
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps in total")
     parser.add_argument("--per-rank-batch", type=int, default=32)
+    parser.add_argument("--no-tf32", action="store_true", help="GPU: fp32 convolutions and matmuls without TF32")
     args = parser.parse_args()
+    if args.no_tf32:
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = False
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu":

@@ -6,12 +6,14 @@ Rank 0 ("worker0") drives; rank 1 ("worker1") only serves: its main thread goes 
 rpc.shutdown(), which waits until every peer is done with it. Runs on CPU (TensorPipe); with one
 process worker0 calls itself, which RPC allows.
 """
+import gc
 import os
 import time
 import warnings
 
 import torch
 import torch.distributed.rpc as rpc
+from torch._C._distributed_rpc import _rref_context_get_debug_info
 
 from helpers.reporting import result
 
@@ -31,6 +33,19 @@ def double_in_place(rref: rpc.RRef) -> None:
     rref.local_value().mul_(2)
 
 
+def owner_rrefs() -> int:
+    """Runs on the owner: how many objects its RRef context keeps alive for remote users."""
+    return int(_rref_context_get_debug_info()["num_owner_rrefs"])
+
+
+def owner_rrefs_after_release(callee: str, held: int, seconds: float = 5.0) -> int:
+    """Poll the owner until its count drops below `held` (the user's delete message is asynchronous)."""
+    deadline = time.perf_counter() + seconds
+    while (count := rpc.rpc_sync(callee, owner_rrefs)) >= held and time.perf_counter() < deadline:
+        time.sleep(0.05)
+    return count
+
+
 def drive(callee: str) -> dict:
     facts = {"sync": rpc.rpc_sync(callee, whoami, args=(torch.arange(3),))}
     facts["builtin"] = rpc.rpc_sync(callee, torch.add, args=(torch.ones(2), 1)).tolist()
@@ -47,6 +62,13 @@ def drive(callee: str) -> dict:
     rpc.rpc_sync(rref.owner(), double_in_place, args=(rref,))
     facts["after_double"] = rref.to_here().tolist()
     facts["remote_sum"] = rref.rpc_sync().sum().item()  # a method run by the owner: no copy of the tensor
+
+    # The owner keeps the object alive while any user holds an RRef to it; dropping the last one sends the
+    # owner a delete message (torch/csrc/distributed/rpc/rref_context.h, RRefContext::delForkOfOwner).
+    facts["owner_rrefs_while_held"] = rpc.rpc_sync(callee, owner_rrefs)
+    del rref
+    gc.collect()
+    facts["owner_rrefs_after_del"] = owner_rrefs_after_release(callee, facts["owner_rrefs_while_held"])
     return facts
 
 

@@ -48,6 +48,31 @@ class ParameterServer:
         return [rpc.RRef(p) for p in self.model.parameters()]
 
 
+def count_overlapping_steps() -> dict:
+    """Server: wrap torch's remote optimizer step to count the steps that start while another one is running.
+
+    DistributedOptimizer(torch.optim.SGD) runs _FunctionalLocalOptimizer.step on the server, on an RPC thread, with
+    no lock (torch/distributed/optim/optimizer.py:26-34). The wrapper only counts; the step is torch's."""
+    from torch.distributed.optim import optimizer as distributed_optimizer
+
+    counts, lock = {"steps": 0, "running": 0, "overlapping": 0}, threading.Lock()
+    torch_step = distributed_optimizer._FunctionalLocalOptimizer.step
+
+    def step(self, autograd_ctx_id: int) -> None:
+        with lock:
+            counts["steps"] += 1
+            counts["overlapping"] += counts["running"] > 0
+            counts["running"] += 1
+        try:
+            torch_step(self, autograd_ctx_id)
+        finally:
+            with lock:
+                counts["running"] -= 1
+
+    distributed_optimizer._FunctionalLocalOptimizer.step = step
+    return counts
+
+
 def get_server() -> ParameterServer:
     """Run on the server by rpc.remote: every trainer gets an RRef to the same object."""
     global _server
@@ -95,12 +120,14 @@ def main() -> None:
     args = parser.parse_args()
     rank, world_size = start_rpc(timeout=args.rpc_timeout)
     report(pid=os.getpid())  # the lesson checks that no process outlives a failed job
+    step_counts = count_overlapping_steps() if rank == 0 else {}
     if rank != 0 or world_size == 1:
         train(rank, world_size, args)
     report(in_shutdown=True)  # the time stamp says when this rank began waiting in rpc.shutdown()
     rpc.shutdown()  # the server waits here until every trainer has finished
     if rank == 0:
-        result(test_accuracy=accuracy(get_server().model), warnings=warnings_seen())
+        result(test_accuracy=accuracy(get_server().model), warnings=warnings_seen(),
+               optimizer_steps=step_counts["steps"], overlapping_steps=step_counts["overlapping"])
 
 
 if __name__ == "__main__":

@@ -50,9 +50,13 @@ def probe(owner: str, case: str) -> dict:
         else:
             received = rpc.rpc_sync(owner, pull, args=(case,))
             total = sum(tensor.sum() for tensor in received)
+        # What distributed autograd recorded on this side: one RecvRpcBackward per reply message that carried
+        # tensors requiring grad (torch/csrc/distributed/autograd/utils.cpp, addRecvRpcBackward), however many.
+        recv_functions = dist_autograd._retrieve_context(context_id)._recv_functions()
         dist_autograd.backward(context_id, [total])
         local = dist_autograd.get_gradients(context_id)
         return {"received_types": sorted({type(t).__name__ for t in received}),
+                "tensors_received": len(received), "recv_functions": len(recv_functions),
                 "gradients_on_owner": rpc.rpc_sync(owner, gradients_on_owner, args=(context_id,)),
                 "gradients_on_trainer": sum(t in local for t in received)}
 

@@ -6,6 +6,7 @@ from torch.nn import functional as F
 
 from helpers.amp import (
     bytes_per_parameter,
+    cast_bytes_alive,
     check_amp_train_step,
     format_facts,
     layer_dtypes,
@@ -70,3 +71,13 @@ def test_bytes_per_parameter_with_adam_under_autocast() -> None:
 def test_autocast_casts_each_parameter_once_per_context() -> None:
     assert parameter_casts(contexts=1, passes_per_context=3) == 2
     assert parameter_casts(contexts=3, passes_per_context=1) == 6
+
+
+def test_autocast_parameter_casts_live_until_backward() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    alive = cast_bytes_alive(model, torch.rand(4, 8))
+    assert alive["end of forward, inside autocast"] == 2  # a bf16 copy of every parameter, in the cache
+    # after the context: only what backward needs (the second weight), not the first weight or the biases
+    assert alive["after autocast exits"] == 2 * 64 / sum(p.numel() for p in model.parameters())
+    assert alive["after backward"] == 0
