@@ -165,11 +165,15 @@ def check_slurm_script(text: str) -> list[str]:
 def dockerfile() -> str:
     """A minimal image with this repository's code and the lessons' torch. Build it from the repository root:
     `docker build -f runs/cluster/Dockerfile -t REGISTRY/ddp-train:TAG .` and push it where the cluster pulls.
-    PyPI's Linux torch wheels bring their CUDA libraries; the nodes need only the NVIDIA driver."""
+    PyPI's Linux torch wheels bring their CUDA libraries; the nodes need the NVIDIA driver, new enough for the
+    wheel's CUDA (torch.version.cuda), and GPUs the wheel has kernels for (torch._C._cuda_getArchFlags())."""
     return "\n".join([
         "# The code must be in the image: the manifests run helpers/workers/... inside it.",
         "FROM python:3.11-slim",
         "WORKDIR /workspace",
+        "# PyPI's Linux torch wheel is its CUDA 13.0 build: GPUs sm_75 (Turing) and newer, NVIDIA driver R580 or newer.",
+        "# For older drivers, add PyTorch's index of a CUDA 12 build that pytorch.org lists for this release:",
+        "#   --index-url https://download.pytorch.org/whl/cu12X --extra-index-url https://pypi.org/simple",
         f"RUN pip install --no-cache-dir torch=={pinned('torch')} numpy=={pinned('numpy')}",
         "COPY pyproject.toml ./",
         "COPY helpers/ helpers/",

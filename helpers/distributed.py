@@ -28,21 +28,13 @@ def pick_backend(backend: str | None = None) -> tuple[str, torch.device]:
     if backend == "nccl" and not torch.cuda.is_available():
         raise RuntimeError(
             f"backend 'nccl' needs CUDA, but torch.cuda.is_available() is False. This torch "
-            f"({torch.__version__}, CUDA {torch.version.cuda}) runs on GPUs of compute capability "
-            f"{_arch_list() or 'none: a CPU-only build'} with a driver new enough for its CUDA; check nvidia-smi, "
+            f"({torch.__version__}, CUDA {torch.version.cuda}) has kernels for the GPU architectures "
+            f"{' '.join(torch.cuda.get_arch_list()) or 'none: a CPU-only build'} with a driver new enough for its CUDA; check nvidia-smi, "
             f"the driver version and that the container sees the GPUs.")
     use_cuda = torch.cuda.is_available() and backend != "gloo"
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
     return backend or ("nccl" if use_cuda else "gloo"), device
-
-
-def _arch_list() -> str:
-    """The GPU architectures this torch build has kernels for, e.g. 'sm_75 sm_80 ... sm_120'."""
-    try:
-        return torch._C._cuda_getArchFlags() or ""
-    except AttributeError:  # a CPU-only build has no CUDA bindings
-        return ""
 
 
 def init_distributed(backend: str | None = None, **kwargs) -> tuple[int, int, torch.device]:
