@@ -52,6 +52,7 @@ TRAINER_PATCH_MANAGER = "lessons.example.com/job-files"  # who owns our runtime 
 # kubeflow-trainer-api 2.2.0 models are the first with TrainerV1alpha1RuntimePatch, 2.1.0 has PodTemplateOverride):
 # Trainer v2.0/v2.1 reject these TrainJobs. Trainer v2.3 changed how patches merge (strategic merge patch).
 TRAINER_MIN_VERSION = "2.2.0"
+WHEEL_CUDA = "13.0"  # torch.version.cuda of the pinned torch's PyPI wheel (tests/test_cluster.py checks it)
 _BASE_RESOURCES = {"cpu", "memory", "ephemeral-storage"}
 # torch's opt-out of the agent-shared TCPStore (use_agent_store in torch/distributed/elastic/rendezvous/
 # dynamic_rendezvous.py): each round gets a fresh store, so restarted workers never read a dead group's keys
@@ -171,7 +172,8 @@ def dockerfile() -> str:
         "# The code must be in the image: the manifests run helpers/workers/... inside it.",
         "FROM python:3.11-slim",
         "WORKDIR /workspace",
-        "# PyPI's Linux torch wheel is its CUDA 13.0 build: GPUs sm_75 (Turing) and newer, NVIDIA driver R580 or newer.",
+        f"# PyPI's Linux wheel of torch {pinned('torch')} is its CUDA {WHEEL_CUDA} build: GPUs sm_75 (Turing) and",
+        "# newer, and an NVIDIA driver of the R580 series or newer on the nodes.",
         "# For older drivers, add PyTorch's index of a CUDA 12 build that pytorch.org lists for this release:",
         "#   --index-url https://download.pytorch.org/whl/cu12X --extra-index-url https://pypi.org/simple",
         f"RUN pip install --no-cache-dir torch=={pinned('torch')} numpy=={pinned('numpy')}",
@@ -258,7 +260,8 @@ def check_shared_claim(claim: dict) -> Any:
     modes = claim.get("spec", {}).get("accessModes", [])
     if "ReadWriteMany" not in modes:
         raise ValueError(f"accessModes {modes}: pods on several nodes mount the checkpoints, which needs "
-                         f"ReadWriteMany (ReadWriteOnce attaches to one node: the others wait with a Multi-Attach error)")
+                         f"ReadWriteMany (ReadWriteOnce attaches to one node: the others wait with a "
+                         f"Multi-Attach error)")
     return typed
 
 
@@ -584,7 +587,8 @@ def pod_without_shared_memory() -> dict:
     """A training pod as the generators make it, minus /dev/shm: the exercise's starting point."""
     import copy
 
-    pod = copy.deepcopy(indexed_job("ddp-train", image_name(), "train.py", JobSize())["job"]["spec"]["template"]["spec"])
+    job = indexed_job("ddp-train", image_name(), "train.py", JobSize())["job"]
+    pod = copy.deepcopy(job["spec"]["template"]["spec"])
     pod["volumes"] = [v for v in pod["volumes"] if v["name"] != SHM_VOLUME]
     for container in pod["containers"]:
         container["volumeMounts"] = [m for m in container["volumeMounts"] if m["name"] != SHM_VOLUME]

@@ -29,8 +29,8 @@ def pick_backend(backend: str | None = None) -> tuple[str, torch.device]:
         raise RuntimeError(
             f"backend 'nccl' needs CUDA, but torch.cuda.is_available() is False. This torch "
             f"({torch.__version__}, CUDA {torch.version.cuda}) has kernels for the GPU architectures "
-            f"{' '.join(torch.cuda.get_arch_list()) or 'none: a CPU-only build'} with a driver new enough for its CUDA; check nvidia-smi, "
-            f"the driver version and that the container sees the GPUs.")
+            f"{' '.join(torch.cuda.get_arch_list()) or 'none: a CPU-only build'} with a driver new enough for its "
+            f"CUDA; check nvidia-smi, the driver version and that the container sees the GPUs.")
     use_cuda = torch.cuda.is_available() and backend != "gloo"
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")

@@ -14,11 +14,11 @@ from helpers.cluster import (
     check_pod_command,
     check_shared_claim,
     check_shared_memory_exercise,
-    checkpoint_claim,
-    pod_without_shared_memory,
     check_slurm_script,
+    checkpoint_claim,
     dockerfile,
     indexed_job,
+    pod_without_shared_memory,
     pytorch_job,
     slurm_script,
     train_job,
@@ -205,6 +205,9 @@ def test_dockerfile_pins_the_lessons_torch_and_copies_files_that_exist():
 
     text = dockerfile()
     assert f"torch=={pinned('torch')}" in text and torch.__version__.split("+")[0] == pinned("torch")
+    if torch.version.cuda:  # catches a comment about the GPU floor left behind by a new torch pin
+        assert f"is its CUDA {torch.version.cuda} build" in text
+        assert "sm_75" in text and torch.cuda.get_arch_list()[0] == "sm_75"
     root = REPO_ROOT
     for line in text.splitlines():
         if line.startswith("COPY "):

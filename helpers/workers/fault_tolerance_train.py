@@ -91,8 +91,10 @@ def join_group(timeout: timedelta, backend: str | None) -> tuple[int, int, torch
     (use_agent_store, dynamic_rendezvous.py:1146), gives every round a fresh store hosted by rank 0's
     worker: then a plain init is right, and that is what the generated Kubernetes jobs use.
     With the shared store this worker prefixes its keys with the attempt and the world size. That holds
-    only while every agent counts the same restarts (one agent; or agents that all restart together):
-    an agent that is itself replaced (a new pod, a restarted container) starts again at count 0.
+    only while every agent counts the same restarts, as one agent does. Across agents it breaks: an agent
+    that is replaced (a new pod, a restarted container) starts again at count 0, and an agent that restarts
+    its workers because another node is waiting (a membership change) does not count it (_invoke_run in
+    torch/distributed/elastic/agent/server/api.py).
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # plain python, or torch's opt-out
         rank, world_size, device = init_distributed(backend, timeout=timeout)
