@@ -8,7 +8,10 @@
     validate_train_job(train_job(...))                 # Kubeflow Trainer v2's own models (kubeflow-trainer-api)
     write_job_files("runs/cluster", "train.py", size)  # all of them and the Dockerfile, in one folder
 
-Taught in lesson 06. Every generator returns plain text or plain dicts (YAML-ready). The checks use real
+Taught in lesson 06. Every generator returns plain text or plain dicts (YAML-ready). The Kubernetes jobs run
+torchrun with a c10d rendezvous hosted by pod 0 and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (pod_command: restarted
+workers get a fresh store, pytorch/pytorch#135712), mount /dev/shm in memory and a ReadWriteMany claim
+(checkpoint_claim); a worker given `--backend nccl` refuses to start without CUDA. The checks use real
 parsers and the projects' own models: torchrun's argument parser and `bash -n` for SLURM; the `kubernetes`
 client's models (generated from the API's OpenAPI spec) for core resources; `kubeflow.training.models` for
 PyTorchJob and `kubeflow_trainer_api.models` for TrainJob. A round trip through the model and back catches
@@ -297,8 +300,8 @@ def pytorch_job(name: str, image: str, script: str, size: JobSize, args: tuple |
     agent (is_host from PET_NODE_RANK), so that TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 applies (pod_command).
     Restarts: torchrun restarts its workers --max-restarts times; after that (or when the agent itself dies)
     restartPolicy OnFailure restarts the container in place, and the operator fails the job when the container
-    restarts of its running pods add up to more than runPolicy.backoffLimit (PastBackoffLimit in the operator's
-    pkg/controller.v1/common/job.go).
+    restarts of its running pods add up to more than runPolicy.backoffLimit (PastBackoffLimit in the Training
+    Operator's job controller).
     gang="volcano": runPolicy.schedulingPolicy (a Volcano PodGroup with minAvailable = nodes);
     gang="kueue": the queue label on the job.
     """
