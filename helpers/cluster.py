@@ -8,7 +8,10 @@
     validate_train_job(train_job(...))                 # Kubeflow Trainer v2's own models (kubeflow-trainer-api)
     write_job_files("runs/cluster", "train.py", size)  # all of them and the Dockerfile, in one folder
 
-Taught in lesson 06. Every generator returns plain text or plain dicts (YAML-ready). The checks use real
+Taught in lesson 06. Every generator returns plain text or plain dicts (YAML-ready). The Kubernetes jobs run
+torchrun with a c10d rendezvous hosted by pod 0 and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (pod_command: restarted
+workers get a fresh store, pytorch/pytorch#135712), mount /dev/shm in memory and a ReadWriteMany claim
+(checkpoint_claim); a worker given `--backend nccl` refuses to start without CUDA. The checks use real
 parsers and the projects' own models: torchrun's argument parser and `bash -n` for SLURM; the `kubernetes`
 client's models (generated from the API's OpenAPI spec) for core resources; `kubeflow.training.models` for
 PyTorchJob and `kubeflow_trainer_api.models` for TrainJob. A round trip through the model and back catches
@@ -48,7 +51,17 @@ PYTORCHJOB_PORT_NAME = "pytorchjob-port"  # the port it reads MASTER_PORT from (
 # 29400; 29500 is torchrun's default --master-port (static backend). Any free port works when it is spelled out.
 TRAINER_RUNTIME, TRAINER_JOB, TRAINER_CONTAINER = "torch-distributed", "node", "node"  # Trainer v2's torch runtime
 TRAINER_PATCH_MANAGER = "lessons.example.com/job-files"  # who owns our runtime patch (any unique name)
+# Kubeflow Trainer's TrainJob has spec.runtimePatches from v2.2.0 (kubeflow/trainer PR #3199/#3309; the
+# kubeflow-trainer-api 2.2.0 models are the first with TrainerV1alpha1RuntimePatch, 2.1.0 has PodTemplateOverride):
+# Trainer v2.0/v2.1 reject these TrainJobs. Trainer v2.3 changed how patches merge (strategic merge patch).
+TRAINER_MIN_VERSION = "2.2.0"
+WHEEL_CUDA = "13.0"  # torch.version.cuda of the pinned torch's PyPI wheel (tests/test_cluster.py checks it)
 _BASE_RESOURCES = {"cpu", "memory", "ephemeral-storage"}
+# torch's opt-out of the agent-shared TCPStore (use_agent_store in torch/distributed/elastic/rendezvous/
+# dynamic_rendezvous.py): each round gets a fresh store, so restarted workers never read a dead group's keys
+# (pytorch/pytorch#135712). It acts on the c10d rendezvous only: the static one always shares its store.
+SHARE_STORE_OPT_OUT = {"name": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "value": "1"}
+CHECKPOINT_CLAIM, SHM_VOLUME = "checkpoints", "dshm"
 
 
 @dataclass(frozen=True)
@@ -156,11 +169,16 @@ def check_slurm_script(text: str) -> list[str]:
 def dockerfile() -> str:
     """A minimal image with this repository's code and the lessons' torch. Build it from the repository root:
     `docker build -f runs/cluster/Dockerfile -t REGISTRY/ddp-train:TAG .` and push it where the cluster pulls.
-    PyPI's Linux torch wheels bring their CUDA libraries; the nodes need only the NVIDIA driver."""
+    PyPI's Linux torch wheels bring their CUDA libraries; the nodes need the NVIDIA driver, new enough for the
+    wheel's CUDA (torch.version.cuda), and GPUs the wheel has kernels for (torch._C._cuda_getArchFlags())."""
     return "\n".join([
         "# The code must be in the image: the manifests run helpers/workers/... inside it.",
         "FROM python:3.11-slim",
         "WORKDIR /workspace",
+        f"# PyPI's Linux wheel of torch {pinned('torch')} is its CUDA {WHEEL_CUDA} build: GPUs sm_75 (Turing) and",
+        "# newer, and an NVIDIA driver of the R580 series or newer on the nodes.",
+        "# For older drivers, add PyTorch's index of a CUDA 12 build that pytorch.org lists for this release:",
+        "#   --index-url https://download.pytorch.org/whl/cu12X --extra-index-url https://pypi.org/simple",
         f"RUN pip install --no-cache-dir torch=={pinned('torch')} numpy=={pinned('numpy')}",
         "COPY pyproject.toml ./",
         "COPY helpers/ helpers/",
@@ -200,18 +218,65 @@ def _scheduler(size: JobSize, gang: str | None) -> str | None:
 def _container(name: str, command: list[str], image: str, size: JobSize, gang: str | None,
                port_name: str) -> dict:
     return {"name": name, "image": image, "command": list(command),
+            "env": [dict(SHARE_STORE_OPT_OUT)],
             "ports": [{"name": port_name, "containerPort": RENDEZVOUS_PORT}],
             "resources": _resources(size, gang),
-            "volumeMounts": [{"name": "checkpoints", "mountPath": "/checkpoints"}]}
+            "volumeMounts": _volume_mounts()}
+
+
+def _volume_mounts() -> list[dict]:
+    return [{"name": CHECKPOINT_CLAIM, "mountPath": "/checkpoints"}, {"name": SHM_VOLUME, "mountPath": "/dev/shm"}]
+
+
+def _volumes() -> list[dict]:
+    """The shared checkpoint claim, and /dev/shm in memory: a container's own /dev/shm is 64 MiB by default, too
+    small for NCCL's shared-memory transport between the GPUs of a pod and for DataLoader workers. What is written
+    there counts against the container's memory limit."""
+    return [{"name": CHECKPOINT_CLAIM, "persistentVolumeClaim": {"claimName": CHECKPOINT_CLAIM}},
+            {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}}]
 
 
 def _pod_spec(container: dict, size: JobSize, restart_policy: str, gang: str | None) -> dict:
-    spec = {"restartPolicy": restart_policy, "containers": [container],
-            "volumes": [{"name": "checkpoints", "persistentVolumeClaim": {"claimName": "checkpoints"}}]}
+    spec = {"restartPolicy": restart_policy, "containers": [container], "volumes": _volumes()}
     scheduler = _scheduler(size, gang)
     if scheduler:
         spec["schedulerName"] = scheduler
     return spec
+
+
+def checkpoint_claim(storage: str = "100Gi", storage_class: str | None = None) -> dict:
+    """The PersistentVolumeClaim `checkpoints` that every pod of the job mounts.
+
+    ReadWriteMany, because the pods run on different nodes and all mount it at once: a ReadWriteOnce volume
+    attaches to one node, and a second pod elsewhere stays in ContainerCreating ("Multi-Attach error"). It needs
+    a storage class that offers ReadWriteMany (NFS, CephFS, a cloud file store); block storage does not.
+    """
+    spec: dict[str, Any] = {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": storage}}}
+    if storage_class:
+        spec["storageClassName"] = storage_class
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": CHECKPOINT_CLAIM}, "spec": spec}
+
+
+def check_shared_claim(claim: dict) -> Any:
+    """The claim matches the Kubernetes schema and every node can mount it at once (ReadWriteMany)."""
+    typed = validate(claim, "V1PersistentVolumeClaim")
+    modes = claim.get("spec", {}).get("accessModes", [])
+    if "ReadWriteMany" not in modes:
+        raise ValueError(f"accessModes {modes}: pods on several nodes mount the checkpoints, which needs "
+                         f"ReadWriteMany (ReadWriteOnce attaches to one node: the others wait with a "
+                         f"Multi-Attach error)")
+    return typed
+
+
+def check_shared_memory(pod: dict) -> None:
+    """Every container mounts a memory-backed emptyDir at /dev/shm (NCCL's shared-memory transport, DataLoader
+    workers: the default 64 MiB is too small)."""
+    memory = {v["name"] for v in pod.get("volumes", []) if (v.get("emptyDir") or {}).get("medium") == "Memory"}
+    for container in pod.get("containers", []):
+        mounts = {m.get("mountPath"): m.get("name") for m in container.get("volumeMounts", [])}
+        if mounts.get("/dev/shm") not in memory:
+            raise ValueError(f"container {container.get('name')!r}: no memory-backed emptyDir "
+                             f"(emptyDir: {{medium: Memory}}) mounted at /dev/shm; the default is 64 MiB")
 
 
 def _metadata(name: str, gang: str | None, queue: str) -> dict:
@@ -230,12 +295,17 @@ def pytorch_job(name: str, image: str, script: str, size: JobSize, args: tuple |
     """A Kubeflow Training Operator v1 PyTorchJob (kubeflow.org/v1; legacy since Kubeflow Trainer v2).
 
     The operator sets PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR and PET_MASTER_PORT
-    (and MASTER_ADDR/MASTER_PORT) in every pod; torchrun reads any option it is not given from PET_<OPTION>.
-    MASTER_PORT comes from the port named `pytorchjob-port` on the container named `pytorch`.
+    (and MASTER_ADDR/MASTER_PORT) in every pod. MASTER_PORT comes from the port named `pytorchjob-port` on the
+    container named `pytorch`. The command uses them for a c10d rendezvous at the Master, hosted by the Master's
+    agent (is_host from PET_NODE_RANK), so that TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 applies (pod_command).
+    Restarts: torchrun restarts its workers --max-restarts times; after that (or when the agent itself dies)
+    restartPolicy OnFailure restarts the container in place, and the operator fails the job when the container
+    restarts of its running pods add up to more than runPolicy.backoffLimit (PastBackoffLimit in the Training
+    Operator's job controller).
     gang="volcano": runPolicy.schedulingPolicy (a Volcano PodGroup with minAvailable = nodes);
     gang="kueue": the queue label on the job.
     """
-    command = ["torchrun", f"--max-restarts={size.max_restarts}", script, *map(str, args)]
+    command = pod_command(script, size, "$PET_MASTER_ADDR:$PET_MASTER_PORT", name, "PET_NODE_RANK", args)
 
     def replica(count: int) -> dict:
         container = _container(PYTORCHJOB_CONTAINER, command, image, size, gang, PYTORCHJOB_PORT_NAME)
@@ -245,8 +315,7 @@ def pytorch_job(name: str, image: str, script: str, size: JobSize, args: tuple |
     replicas = {"Master": replica(1)}
     if size.nodes > 1:
         replicas["Worker"] = replica(size.nodes - 1)
-    # runPolicy: optional in the CRD, but the SDK's model (kubeflow.training) requires it; backoffLimit: pod
-    # restarts before the job is marked failed
+    # runPolicy: optional in the CRD, but the SDK's model (kubeflow.training) requires it
     spec: dict[str, Any] = {"nprocPerNode": str(size.gpus_per_node), "pytorchReplicaSpecs": replicas,
                             "runPolicy": {"backoffLimit": size.max_restarts}}
     if gang == "volcano":
@@ -259,21 +328,22 @@ def train_job(name: str, image: str, script: str, size: JobSize, args: tuple | l
               gang: str | None = None, queue: str = "default") -> dict:
     """A Kubeflow Trainer v2 TrainJob (trainer.kubeflow.org/v1alpha1) on the `torch-distributed` runtime.
 
-    The runtime (a ClusterTrainingRuntime the cluster admin installs) holds the JobSet template and sets
-    the PET_* variables; the TrainJob says what differs: image, command, nodes, resources, and a runtime
-    patch that mounts the checkpoint volume. Gang scheduling with Volcano or the coscheduling plugin is the
-    runtime's podGroupPolicy, not the TrainJob's; gang="kueue" adds the queue label.
+    Needs Trainer >= TRAINER_MIN_VERSION (runtimePatches). The runtime (a ClusterTrainingRuntime the cluster
+    admin installs) holds the JobSet template and sets the PET_* variables; the TrainJob says what differs: image,
+    command (a c10d rendezvous at PET_MASTER_ADDR, see pod_command), nodes, resources, the store opt-out, and a
+    runtime patch that mounts the checkpoint claim and /dev/shm. Gang scheduling with Volcano or the
+    coscheduling plugin is the runtime's podGroupPolicy, not the TrainJob's; gang="kueue" adds the queue label.
     """
     if gang == "volcano":
         raise ValueError("a TrainJob gets Volcano gang scheduling from its runtime's podGroupPolicy; "
                          "use a runtime that sets it, or gang='kueue'")
-    pod_patch = {"volumes": [{"name": "checkpoints", "persistentVolumeClaim": {"claimName": "checkpoints"}}],
-                 "containers": [{"name": TRAINER_CONTAINER,
-                                 "volumeMounts": [{"name": "checkpoints", "mountPath": "/checkpoints"}]}]}
+    pod_patch = {"volumes": _volumes(), "containers": [{"name": TRAINER_CONTAINER, "volumeMounts": _volume_mounts()}]}
     patch = {"manager": TRAINER_PATCH_MANAGER, "trainingRuntimeSpec": {"template": {"spec": {"replicatedJobs": [
         {"name": TRAINER_JOB, "template": {"spec": {"template": {"spec": pod_patch}}}}]}}}}
     trainer = {"image": image,
-               "command": ["torchrun", f"--max-restarts={size.max_restarts}", script, *map(str, args)],
+               "command": pod_command(script, size, "$PET_MASTER_ADDR:$PET_MASTER_PORT", name, "PET_NODE_RANK",
+                                      args),
+               "env": [dict(SHARE_STORE_OPT_OUT)],
                "numNodes": size.nodes, "numProcPerNode": size.gpus_per_node,
                "resourcesPerNode": _resources(size, gang)}
     return {"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob",
@@ -281,43 +351,62 @@ def train_job(name: str, image: str, script: str, size: JobSize, args: tuple | l
             "spec": {"runtimeRef": {"name": TRAINER_RUNTIME}, "trainer": trainer, "runtimePatches": [patch]}}
 
 
-INDEXED_IS_HOST = '--rdzv-conf=is_host=$([ "$JOB_COMPLETION_INDEX" = 0 ] && echo 1 || echo 0)'
-
-
-def indexed_command(script: str, size: JobSize, endpoint: str, job_id: str, args: tuple | list = ()) -> list[str]:
-    """The Indexed Job's container command: torchrun under `sh -c`, so that pod 0 (JOB_COMPLETION_INDEX=0,
-    set by the Job controller) is told to host the c10d store (is_host=1) and every other pod is not.
+def pod_command(script: str, size: JobSize, endpoint: str, job_id: str, index_variable: str,
+                args: tuple | list = ()) -> list[str]:
+    """The container's command: torchrun under `sh -c`, with a c10d rendezvous at `endpoint` (shell variables
+    allowed, e.g. "$PET_MASTER_ADDR:$PET_MASTER_PORT"), and the pod whose `index_variable` is 0 told to host the
+    rendezvous store (is_host=1), every other pod not.
 
     Without is_host the agent guesses (_matches_machine_hostname in torch/distributed/elastic/rendezvous/
     utils.py): it resolves the endpoint's DNS name and compares it with its own addresses. If pod 0 starts
-    before its DNS record exists, the guess is "not me", and every agent waits for a store nobody hosts.
+    before its DNS record exists, the guess is "not me": every agent is then a client of a store nobody hosts,
+    and fails with RendezvousConnectionError after its read_timeout (60 s by default).
+    c10d, not the static rendezvous, so that TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (in the container's env) gives
+    every round a fresh store: a replaced pod or a restarted container comes back with
+    TORCHELASTIC_RESTART_COUNT=0 while its peers count on, so no store prefix can be built from that count.
     """
-    words = [shlex.quote(word) for word in torchrun_command(script, size, endpoint, job_id, args)]
+    words = [word if word.startswith("--rdzv-endpoint=") else shlex.quote(word)
+             for word in torchrun_command(script, size, endpoint, job_id, args)]
     at = words.index(shlex.quote(script))
-    return ["sh", "-c", " ".join(["exec", *words[:at], INDEXED_IS_HOST, *words[at:]])]
+    is_host = f'--rdzv-conf=is_host=$([ "${index_variable}" = 0 ] && echo 1 || echo 0)'
+    return ["sh", "-c", " ".join(["exec", *words[:at], is_host, *words[at:]])]
 
 
-def check_indexed_command(command: list[str], index: int) -> Any:
-    """Run the Indexed Job's `sh -c` line as pod `index` would, with torchrun swapped for printf, and parse
-    the words it would pass with torchrun's own parser; return the parsed arguments."""
+def indexed_command(script: str, size: JobSize, endpoint: str, job_id: str, args: tuple | list = ()) -> list[str]:
+    """The Indexed Job's command: pod_command with pod 0 being JOB_COMPLETION_INDEX=0 (set by the Job controller)."""
+    return pod_command(script, size, endpoint, job_id, "JOB_COMPLETION_INDEX", args)
+
+
+def check_pod_command(command: list[str], env: dict[str, str]) -> Any:
+    """Run a pod's `sh -c` line with the environment `env`, with torchrun swapped for printf, and parse the words
+    it would pass with torchrun's own parser; return the parsed arguments."""
     from torch.distributed.run import get_args_parser
 
     if command[:2] != ["sh", "-c"] or not command[2].startswith("exec torchrun "):
         raise ValueError(f"expected ['sh', '-c', 'exec torchrun ...'], got {command[:3]!r}")
     line = "printf '%s\\n' " + command[2].removeprefix("exec torchrun ")
     shown = subprocess.run(["sh", "-c", line], check=True, capture_output=True, text=True,
-                           env={"JOB_COMPLETION_INDEX": str(index), "PATH": "/usr/bin:/bin"})
+                           env={**env, "PATH": "/usr/bin:/bin"})
     try:
         return get_args_parser().parse_args(shown.stdout.splitlines())
     except SystemExit:
         raise ValueError(f"torchrun rejects: {shown.stdout!r}") from None
 
 
+def check_indexed_command(command: list[str], index: int) -> Any:
+    """check_pod_command as Indexed Job pod `index` runs it (JOB_COMPLETION_INDEX=index)."""
+    return check_pod_command(command, {"JOB_COMPLETION_INDEX": str(index)})
+
+
 def indexed_job(name: str, image: str, script: str, size: JobSize, args: tuple | list = (),
                 gang: str | None = None, queue: str = "default") -> dict:
     """Plain Kubernetes: an Indexed Job (one pod per node) plus a headless Service that gives pod 0 a
     stable DNS name, `<name>-0.<name>`: the rendezvous endpoint, hosted by pod 0's torchrun agent
-    (is_host=1 from JOB_COMPLETION_INDEX, see indexed_command).
+    (is_host=1 from JOB_COMPLETION_INDEX, see pod_command).
+
+    Restarts: torchrun restarts its workers --max-restarts times inside the pod; after that the pod fails
+    (restartPolicy Never) and the Job controller starts a replacement pod for that index, until backoffLimit
+    pods have failed. The replacement's agent joins the next rendezvous round with a restart count of 0.
 
     publishNotReadyAddresses: the Service publishes pod DNS records before the pods are Ready, so the
     agents can find pod 0 while they all start. gang="kueue": the queue label (Volcano would need a
@@ -341,7 +430,8 @@ def indexed_job(name: str, image: str, script: str, size: JobSize, args: tuple |
 
 def write_job_files(folder: str | Path, script: str, size: JobSize, args: tuple | list = (),
                     name: str = "ddp-train", image: str | None = None) -> list[Path]:
-    """Write the Dockerfile, the SLURM script and every manifest into `folder`; return their paths."""
+    """Write the Dockerfile, the SLURM script, every manifest and the checkpoint claim into `folder`; return
+    their paths."""
     import yaml
 
     image = image or image_name()
@@ -351,7 +441,8 @@ def write_job_files(folder: str | Path, script: str, size: JobSize, args: tuple 
     texts = {"Dockerfile": dockerfile(), "job.sbatch": slurm_script(script, size, args, job_name=name),
              "pytorchjob.yaml": yaml.safe_dump(pytorch_job(name, image, script, size, args), sort_keys=False),
              "trainjob.yaml": yaml.safe_dump(train_job(name, image, script, size, args), sort_keys=False),
-             "indexed-job.yaml": yaml.safe_dump_all([plain["service"], plain["job"]], sort_keys=False)}
+             "indexed-job.yaml": yaml.safe_dump_all([plain["service"], plain["job"]], sort_keys=False),
+             "checkpoints-pvc.yaml": yaml.safe_dump(checkpoint_claim(), sort_keys=False)}
     for file_name, text in texts.items():
         (folder / file_name).write_text(text)
     return [folder / file_name for file_name in texts]
@@ -364,13 +455,15 @@ def validate(manifest: dict, model: str) -> Any:
 
     The kubernetes client deserializes into typed models, which rejects missing required fields and wrong
     types; serializing back and comparing catches fields the schema does not know (a misspelled
-    `restartPolcy` would otherwise vanish silently). Pod templates also get check_gpu_resources.
+    `restartPolcy` would otherwise vanish silently). Pod templates also get check_gpu_resources and
+    check_shared_memory.
     """
     from kubernetes.client import ApiClient
 
     typed = _round_trip(ApiClient(), manifest, model)
     for pod in _pod_specs(manifest):
         check_gpu_resources(pod)
+        check_shared_memory(pod)
     return typed
 
 
@@ -400,11 +493,13 @@ def validate_pytorch_job(manifest: dict) -> int:
                              f"it (and adds its default, 23456, when it is missing: a port under another name is "
                              f"never used)")
         check_gpu_resources(pod)
+        check_shared_memory(pod)
     return len(replicas)
 
 
 def validate_train_job(manifest: dict) -> Any:
-    """Check a TrainJob with Kubeflow Trainer's own models (kubeflow_trainer_api, pydantic, from its CRDs)."""
+    """Check a TrainJob with Kubeflow Trainer's own models (kubeflow_trainer_api, pydantic, from its CRDs), and
+    that its runtime patches give the trainer container /dev/shm. runtimePatches need Trainer >= 2.2.0."""
     from kubeflow_trainer_api.models import TrainerV1alpha1TrainJob
     from pydantic import ValidationError
 
@@ -420,6 +515,12 @@ def validate_train_job(manifest: dict) -> Any:
     # The runtime's pod template picks the scheduler; HAMi's admission webhook sets it for pods asking for shares.
     resources = manifest["spec"].get("trainer", {}).get("resourcesPerNode", {})
     check_gpu_resources({"containers": [{"resources": resources}]}, scheduler_set_elsewhere=True)
+    pods = [job["template"]["spec"]["template"]["spec"] for patch in manifest["spec"].get("runtimePatches", [])
+            for job in patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"] if job["name"] == TRAINER_JOB]
+    for pod in pods:
+        check_shared_memory(pod)
+    if not pods:
+        raise ValueError(f"no runtime patch for the {TRAINER_JOB!r} job: its pods get no /dev/shm volume")
     return typed
 
 
@@ -481,3 +582,48 @@ def _differences(sent: Any, kept: Any, where: str) -> list[str]:
     if sent != kept:
         return [f"{where}: {sent!r} is not a valid value (the schema reads it as {kept!r})"]
     return []
+
+
+# ---------------------------------------------------------------------------- lesson 06's exercise
+
+def pod_without_shared_memory() -> dict:
+    """A training pod as the generators make it, minus /dev/shm: the exercise's starting point."""
+    import copy
+
+    job = indexed_job("ddp-train", image_name(), "train.py", JobSize())["job"]
+    pod = copy.deepcopy(job["spec"]["template"]["spec"])
+    pod["volumes"] = [v for v in pod["volumes"] if v["name"] != SHM_VOLUME]
+    for container in pod["containers"]:
+        container["volumeMounts"] = [m for m in container["volumeMounts"] if m["name"] != SHM_VOLUME]
+    return pod
+
+
+def check_shared_memory_exercise(add_shared_memory: Any) -> bool:
+    """Lesson 06's exercise: does `add_shared_memory(pod)` give every container a memory-backed /dev/shm?"""
+    import copy
+
+    from kubernetes.client import ApiClient
+
+    from helpers.checks import correct, not_yet
+
+    pod = pod_without_shared_memory()
+    pod["containers"].append({**copy.deepcopy(pod["containers"][0]), "name": "sidecar", "command": ["sleep", "1d"]})
+    returned = add_shared_memory(pod)
+    pod = returned if returned is not None else pod
+    try:
+        _round_trip(ApiClient(), pod, "V1PodSpec")
+    except ValueError as error:
+        return not_yet(f"the pod no longer matches the Kubernetes schema: {error}")
+    if not any(v.get("persistentVolumeClaim") for v in pod.get("volumes", [])):
+        return not_yet("the checkpoints volume is gone: add a volume, do not replace the list.")
+    empty = [v for v in pod.get("volumes", []) if "emptyDir" in v]
+    if not empty:
+        return not_yet("there is no emptyDir volume yet.")
+    if not any((v["emptyDir"] or {}).get("medium") == "Memory" for v in empty):
+        return not_yet("the emptyDir has no `medium: Memory`: without it the volume lives on the node's disk.")
+    try:
+        check_shared_memory(pod)
+    except ValueError as error:
+        return not_yet(f"{error}. Mount the memory volume (by its name) at /dev/shm in every container.")
+    return correct("every container mounts a memory-backed emptyDir at /dev/shm, and the pod still matches "
+                   "the Kubernetes schema.")

@@ -6,6 +6,7 @@
 - Under `torchrun` (RANK in the environment) it joins the group torchrun describes: `nccl` with one
   CUDA device per rank (`torch.cuda.set_device(local_rank)` and `device_id=`, so that NCCL binds the
   right GPU at once), `gloo` on CPU.
+- `init_distributed("nccl")` insists on GPUs: without CUDA it raises instead of falling back to gloo on the CPU.
 - Under plain `python` it makes a group of one (a HashStore, no network), so every worker also runs
   as a single process.
 
@@ -20,7 +21,16 @@ import torch.distributed as dist
 
 
 def pick_backend(backend: str | None = None) -> tuple[str, torch.device]:
-    """`nccl` and this rank's GPU when CUDA is present, else `gloo` and the CPU; `backend` overrides."""
+    """`nccl` and this rank's GPU when CUDA is present, else `gloo` and the CPU; `backend` overrides.
+
+    backend="nccl" without a usable GPU raises at once: a job that asked for GPUs must not train on the CPU.
+    """
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise RuntimeError(
+            f"backend 'nccl' needs CUDA, but torch.cuda.is_available() is False. This torch "
+            f"({torch.__version__}, CUDA {torch.version.cuda}) has kernels for the GPU architectures "
+            f"{' '.join(torch.cuda.get_arch_list()) or 'none: a CPU-only build'} with a driver new enough for its "
+            f"CUDA; check nvidia-smi, the driver version and that the container sees the GPUs.")
     use_cuda = torch.cuda.is_available() and backend != "gloo"
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")

@@ -11,9 +11,14 @@ from helpers.cluster import (
     KUEUE_QUEUE_LABEL,
     JobSize,
     check_indexed_command,
+    check_pod_command,
+    check_shared_claim,
+    check_shared_memory_exercise,
     check_slurm_script,
+    checkpoint_claim,
     dockerfile,
     indexed_job,
+    pod_without_shared_memory,
     pytorch_job,
     slurm_script,
     train_job,
@@ -200,6 +205,9 @@ def test_dockerfile_pins_the_lessons_torch_and_copies_files_that_exist():
 
     text = dockerfile()
     assert f"torch=={pinned('torch')}" in text and torch.__version__.split("+")[0] == pinned("torch")
+    if torch.version.cuda:  # catches a comment about the GPU floor left behind by a new torch pin
+        assert f"is its CUDA {torch.version.cuda} build" in text
+        assert "sm_75" in text and torch.cuda.get_arch_list()[0] == "sm_75"
     root = REPO_ROOT
     for line in text.splitlines():
         if line.startswith("COPY "):
@@ -211,7 +219,8 @@ def test_write_job_files_writes_what_the_checks_accept(tmp_path):
 
     paths = write_job_files(tmp_path, "helpers/workers/fault_tolerance_train.py", SHARED)
     assert sorted(p.name for p in paths) == sorted(
-        ["Dockerfile", "job.sbatch", "pytorchjob.yaml", "trainjob.yaml", "indexed-job.yaml"])
+        ["Dockerfile", "job.sbatch", "pytorchjob.yaml", "trainjob.yaml", "indexed-job.yaml", "checkpoints-pvc.yaml"])
+    check_shared_claim(yaml.safe_load((tmp_path / "checkpoints-pvc.yaml").read_text()))
     check_slurm_script((tmp_path / "job.sbatch").read_text())
     validate_pytorch_job(yaml.safe_load((tmp_path / "pytorchjob.yaml").read_text()))
     validate_train_job(yaml.safe_load((tmp_path / "trainjob.yaml").read_text()))
@@ -229,3 +238,117 @@ def test_two_agents_make_one_job_of_four_ranks(tmp_path, monkeypatch):
     assert sorted(results) == [0, 1, 2, 3]
     assert all(info["rank"] == 2 * info["node_rank"] + info["local_rank"] for info in results.values())
     assert {info["rank_sum"] for info in results.values()} == {6.0}
+
+
+OPT_OUT = {"name": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "value": "1"}
+
+
+def _operator_env(node: int) -> dict[str, str]:
+    return {"PET_NODE_RANK": str(node), "PET_MASTER_ADDR": "ddp-master-0", "PET_MASTER_PORT": "29500"}
+
+
+@pytest.mark.parametrize("kind", ["pytorchjob", "trainjob", "indexed"])
+def test_kubernetes_jobs_use_c10d_with_torchs_store_opt_out_not_the_restart_count(kind):
+    """A replaced pod or a restarted container starts torchrun again at TORCHELASTIC_RESTART_COUNT=0 while its peers
+    count on, so no job may rely on a store prefix built from that count: every Kubernetes job uses the c10d
+    rendezvous (the static one ignores the opt-out) with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, and the worker then
+    joins with a plain init_process_group (tests/test_fault_tolerance.py runs that with a replaced agent)."""
+    if kind == "pytorchjob":
+        job = pytorch_job("ddp", IMAGE, "train.py", SHARED)
+        containers = [r["template"]["spec"]["containers"][0] for r in job["spec"]["pytorchReplicaSpecs"].values()]
+        env = _operator_env
+    elif kind == "trainjob":
+        job = train_job("ddp", IMAGE, "train.py", SHARED)
+        containers = [job["spec"]["trainer"]]
+        env = _operator_env
+    else:
+        job = indexed_job("ddp", IMAGE, "train.py", SHARED)["job"]
+        containers = [job["spec"]["template"]["spec"]["containers"][0]]
+        env = lambda node: {"JOB_COMPLETION_INDEX": str(node)}  # noqa: E731
+    for container in containers:
+        assert OPT_OUT in container["env"]
+        parsed = [check_pod_command(container["command"], env(node)) for node in range(SHARED.nodes)]
+        assert all(p.rdzv_backend == "c10d" and p.nnodes == "3" for p in parsed)
+        assert [p.rdzv_conf for p in parsed] == ["is_host=1", "is_host=0", "is_host=0"]  # node 0 hosts, only it
+        if kind != "indexed":
+            assert {p.rdzv_endpoint for p in parsed} == {"ddp-master-0:29500"}
+
+
+@pytest.mark.parametrize("kind", ["indexed", "pytorchjob", "trainjob"])
+def test_a_pod_without_a_memory_backed_dev_shm_is_refused(kind):
+    if kind == "indexed":
+        job = indexed_job("ddp", IMAGE, "train.py", SHARED)["job"]
+        pod, check = job["spec"]["template"]["spec"], lambda: validate(job, "V1Job")
+    elif kind == "pytorchjob":
+        job = pytorch_job("ddp", IMAGE, "train.py", SHARED)
+        pod, check = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"], lambda: validate_pytorch_job(job)
+    else:
+        job = train_job("ddp", IMAGE, "train.py", SHARED)
+        patch = job["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]
+        pod, check = patch["template"]["spec"]["template"]["spec"], lambda: validate_train_job(job)
+    check()
+    shm = next(v for v in pod["volumes"] if "emptyDir" in v)
+    del shm["emptyDir"]["medium"]  # an emptyDir on the node's disk is not /dev/shm in memory
+    with pytest.raises(ValueError, match="/dev/shm"):
+        check()
+
+
+def test_the_checkpoint_claim_must_be_read_write_many():
+    claim = checkpoint_claim(storage_class="nfs")
+    assert check_shared_claim(claim).spec.access_modes == ["ReadWriteMany"]
+    claim["spec"]["accessModes"] = ["ReadWriteOnce"]
+    with pytest.raises(ValueError, match="Multi-Attach"):
+        check_shared_claim(claim)
+
+
+def _shm_solution(pod):
+    pod["volumes"].append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+    for container in pod["containers"]:
+        container["volumeMounts"].append({"name": "dshm", "mountPath": "/dev/shm"})
+
+
+def _on_disk(pod):
+    pod["volumes"].append({"name": "dshm", "emptyDir": {}})
+    for container in pod["containers"]:
+        container["volumeMounts"].append({"name": "dshm", "mountPath": "/dev/shm"})
+
+
+def _first_container_only(pod):
+    pod["volumes"].append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+    pod["containers"][0]["volumeMounts"].append({"name": "dshm", "mountPath": "/dev/shm"})
+
+
+def _replaces_volumes(pod):
+    pod["volumes"] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+    for container in pod["containers"]:
+        container["volumeMounts"].append({"name": "dshm", "mountPath": "/dev/shm"})
+
+
+def _wrong_name(pod):
+    pod["volumes"].append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+    for container in pod["containers"]:
+        container["volumeMounts"].append({"name": "shm", "mountPath": "/dev/shm"})
+
+
+def _misspelled(pod):
+    pod["volumes"].append({"name": "dshm", "emptydir": {"medium": "Memory"}})
+
+
+@pytest.mark.parametrize("wrong, words", [
+    (lambda pod: None, "no emptyDir volume yet"),
+    (_on_disk, "medium: Memory"),
+    (_first_container_only, "'sidecar'"),
+    (_replaces_volumes, "checkpoints volume is gone"),
+    (_wrong_name, "by its name"),
+    (_misspelled, "schema"),
+])
+def test_shared_memory_exercise_says_not_yet_to_wrong_answers(wrong, words, capsys):
+    assert not check_shared_memory_exercise(wrong)
+    assert words in capsys.readouterr().out
+
+
+def test_shared_memory_exercise_accepts_the_solution_in_place_or_returned(capsys):
+    assert check_shared_memory_exercise(_shm_solution)
+    assert check_shared_memory_exercise(lambda pod: (_shm_solution(pod), pod)[1])
+    assert "Correct" in capsys.readouterr().out
+    assert "dshm" not in str(pod_without_shared_memory())

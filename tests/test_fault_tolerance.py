@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from helpers import WORKERS, WorkerFailed, launch
+from helpers import WORKERS, WorkerFailed, free_port, launch, start, wait
 from helpers.checkpoint import (
     check_atomic_save,
     load_checkpoint,
@@ -113,3 +113,36 @@ def test_without_a_checkpoint_a_restart_starts_again_from_step_zero():
 def test_global_batch_must_split_over_the_ranks():
     with pytest.raises(WorkerFailed, match="does not split over 2 ranks"):
         launch(TRAIN, nproc=2, args=["--global-batch", "33", "--steps", "1"], echo=False)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="shows what happens without CUDA")
+def test_a_worker_asked_for_nccl_fails_loudly_without_cuda():
+    """No silent fall-back to gloo on the CPU when the job asked for GPUs."""
+    with pytest.raises(WorkerFailed, match="backend 'nccl' needs CUDA"):
+        launch(TRAIN, nproc=1, args=["--backend", "nccl", "--steps", "1"], echo=False)
+
+
+def test_with_torchs_store_opt_out_a_replaced_agent_rejoins_and_the_run_is_exact(reference_weights, tmp_path,
+                                                                                   monkeypatch):
+    """What a Kubernetes pod replacement does: node 1's agent and worker die (SIGKILL) and a new agent takes its
+    place, counting restarts from 0, while node 0's agent restarts its worker as attempt 1. A store prefix built
+    from TORCHELASTIC_RESTART_COUNT would differ between the two; with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torch
+    gives the new round a fresh store and the worker joins with a plain init_process_group."""
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # the agents inherit it
+    port = free_port()
+    common = dict(nproc=1, nnodes=2, max_restarts=1, rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}",
+                  rdzv_id="replaced", echo=False)
+    timing = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2"
+    train = [*SMALL, "--checkpoint", tmp_path / "ckpt.pt"]
+    host = start(TRAIN, args=train, rdzv_conf=f"is_host=1,{timing}", node_rank=0, **common)
+    doomed = start(TRAIN, args=[*train, "--fail-step", "3", "--fail-mode", "node-lost"],
+                   rdzv_conf=f"is_host=0,{timing}", node_rank=1, **common)
+    with pytest.raises(WorkerFailed, match="-9"):
+        wait([doomed], timeout=120)
+    replacement = start(TRAIN, args=train, rdzv_conf=f"is_host=0,{timing}", node_rank=1, **common)
+    runs = wait([host, replacement], timeout=180)
+    results = [run.results[rank] for run in runs for rank in run.results]
+    # the two agents count differently (the replacement starts at 0), yet they formed one group of two
+    assert sorted(r["attempt"] for r in results) == [0, 1]
+    assert all(r["world_size"] == 2 and r["steps"] == 6 and r["agent_store"] == "False" for r in results)
+    assert torch.equal(torch.tensor(results[0]["parameters"]), reference_weights)

@@ -13,6 +13,7 @@
 --fail-mode hang       the process stops answering; the others time out after --timeout seconds
 --fail-mode mid-save   rank 0 is killed (SIGKILL) halfway through writing the checkpoint of that step
 --fail-mode node-lost  the whole node vanishes: SIGKILL to this rank's torchrun agent (its parent), then to itself
+--backend nccl         insist on GPUs: fail at start-up if CUDA is missing, instead of training on the CPU
 Without --checkpoint a restart starts again from step 0. Works with one process, gloo or nccl.
 """
 import argparse
@@ -48,6 +49,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--fail-step", type=int, default=None)
     parser.add_argument("--fail-mode", choices=["crash", "hang", "mid-save", "node-lost"], default="crash")
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds a collective may wait")
+    parser.add_argument("--backend", choices=["nccl", "gloo"], default=None,
+                        help="default: nccl with CUDA, gloo without; nccl fails at once when CUDA is missing")
     return parser.parse_args()
 
 
@@ -77,31 +80,38 @@ def die_while_saving(state: dict, checkpoint: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def join_group(timeout: timedelta) -> tuple[int, int, torch.device]:
-    """init_distributed on a store whose keys are prefixed by the attempt and the world size.
+def join_group(timeout: timedelta, backend: str | None) -> tuple[int, int, torch.device, str]:
+    """Join the group; return (rank, world_size, device, which store the group was built on).
 
-    After a restart, torchrun's workers get the same store as the first attempt (the agent keeps its
-    TCPStore server: DynamicRendezvousHandler.next_rendezvous in torch/distributed/elastic/rendezvous/
-    dynamic_rendezvous.py). Plain init_process_group() can read the dead attempt's addresses there and
-    fail with "Connection refused" (when a rank reads a peer's key before the new peer rewrote it). The
-    prefix keeps each group's keys apart; the world size is in it because a node that joins restarts
-    the workers without counting a restart.
+    Since torch 2.5 the c10d rendezvous hands the workers the agent's own TCPStore
+    (TORCHELASTIC_USE_AGENT_STORE=True) and keeps it across restarts (next_rendezvous in
+    torch/distributed/elastic/rendezvous/dynamic_rendezvous.py). A restarted group then finds the dead
+    group's keys there, and plain init_process_group() can read a dead peer's address: upstream bug
+    pytorch/pytorch#135712. Torch's own opt-out, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    (use_agent_store, dynamic_rendezvous.py:1146), gives every round a fresh store hosted by rank 0's
+    worker: then a plain init is right, and that is what the generated Kubernetes jobs use.
+    With the shared store this worker prefixes its keys with the attempt and the world size. That holds
+    only while every agent counts the same restarts, as one agent does. Across agents it breaks: an agent
+    that is replaced (a new pod, a restarted container) starts again at count 0, and an agent that restarts
+    its workers because another node is waiting (a membership change) does not count it (_invoke_run in
+    torch/distributed/elastic/agent/server/api.py).
     """
-    if "TORCHELASTIC_USE_AGENT_STORE" not in os.environ:  # plain python or torch.multiprocessing
-        return init_distributed(timeout=timeout)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # plain python, or torch's opt-out
+        rank, world_size, device = init_distributed(backend, timeout=timeout)
+        return rank, world_size, device, "a fresh store for this round"
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    agent_hosts_store = os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "True"
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                          is_master=rank == 0 and not agent_hosts_store, timeout=timeout)
+                          is_master=False, timeout=timeout)  # the agent hosts it
     prefix = f"attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}_world_{world_size}"
-    return init_distributed(store=dist.PrefixStore(prefix, store), rank=rank, world_size=world_size,
-                            timeout=timeout)
+    rank, world_size, device = init_distributed(backend, store=dist.PrefixStore(prefix, store), rank=rank,
+                                                world_size=world_size, timeout=timeout)
+    return rank, world_size, device, f"the agent's shared store, keys prefixed {prefix}"
 
 
 def main() -> None:
     args = parse_args()
     # The timeout bounds every collective: a silent peer becomes an error, not an endless hang.
-    rank, world_size, device = join_group(timedelta(seconds=args.timeout))
+    rank, world_size, device, store = join_group(timedelta(seconds=args.timeout), args.backend)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if args.global_batch is not None and args.global_batch % world_size:
         raise ValueError(f"--global-batch {args.global_batch} does not split over {world_size} ranks")
@@ -128,6 +138,7 @@ def main() -> None:
         step = state["step"]
     if rank == 0:
         print(f"attempt {attempt}: world size {world_size}, starting at step {step}")
+        print(f"store of attempt {attempt}: {store}")
 
     while step < args.steps:
         epoch, skip = divmod(step, len(loader))
@@ -151,7 +162,8 @@ def main() -> None:
                 break
 
     parameters = torch.cat([p.detach().flatten() for p in model.module.parameters()]).cpu()
-    result(parameters=parameters, steps=step, attempt=attempt, world_size=world_size)
+    result(parameters=parameters, steps=step, attempt=attempt, world_size=world_size,
+           agent_store=os.environ.get("TORCHELASTIC_USE_AGENT_STORE"))
     dist.destroy_process_group()
 
 
