@@ -5,8 +5,9 @@
     pipeline_schedule(stages=2, microbatches=4, schedule="1f1b")        # slots, bubble, peak in flight
 
 The notebook imports the formulas, `measured_slots` and the exercise's check; the instruments its workers use
-(`SavedActivations`, `SimulatedWork`, `Stopwatch`) are in helpers/instruments.py, `held_bytes` in helpers/tensors.py, the model (`mlp`)
-and `split_stages` in helpers/models.py, and `plot_timeline` in helpers/plots.py.
+(`SavedActivations`, `SimulatedWork`, `Stopwatch`) are in helpers/instruments.py, `held_bytes` in
+helpers/tensors.py, the model (`mlp`) and `split_stages` in helpers/models.py, and `plot_timeline` in
+helpers/plots.py.
 Taught in notebooks/07_model_parallel.ipynb.
 """
 from __future__ import annotations
