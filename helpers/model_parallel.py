@@ -4,7 +4,7 @@
     memory_per_rank(n_params=1_000_000, world_size=2, mode="fsdp")    # bytes per rank by part
     pipeline_schedule(stages=2, microbatches=4, schedule="1f1b")        # slots, bubble, peak in flight
 
-The notebook imports the formulas, `measured_slots` and the exercise's check; the instruments its workers use
+The notebook imports the formulas, `measured_orders` and the exercise's check; the instruments its workers use
 (`SavedActivations`, `SimulatedWork`, `Stopwatch`) are in helpers/instruments.py, `held_bytes` in
 helpers/tensors.py, the model (`mlp`) and `split_stages` in helpers/models.py, and `plot_timeline` in
 helpers/plots.py.
@@ -13,7 +13,6 @@ Taught in notebooks/07_model_parallel.ipynb.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from statistics import median
 from typing import Any
 
 # What one rank keeps per parameter, in bytes, for each precision (the optimizer's own state comes on top).
@@ -116,29 +115,38 @@ def _peak_in_flight(order: Sequence[str]) -> int:
     return peak
 
 
-def measured_slots(events: Sequence[dict[str, Any]]) -> list[list[str | None]]:
-    """Turn measured intervals {rank, kind, start, end} into rows of slots, as `pipeline_schedule` gives them.
+def measured_orders(events: Sequence[dict[str, Any]]) -> list[list[str]]:
+    """The order in which each rank ran its actions, from measured intervals {rank, kind, start, end}.
 
-    The slot is the median measured action; each gap between actions counts as round(gap / slot) idle
-    slots, so small delays (a send, Python) do not add up into extra slots. Micro-batches are numbered in
-    the order each rank ran them (both schedules run forwards and backwards in micro-batch order).
+    Micro-batches are numbered in the order each rank ran them (GPipe and 1F1B both run forwards, and
+    backwards, in micro-batch order). Gaps are ignored: a busy machine can delay an action, not reorder it.
     """
-    slot = median(e["end"] - e["start"] for e in events)
-    begin = min(e["start"] for e in events)
-    ranks = sorted({e["rank"] for e in events})
-    rows = []
-    for rank in ranks:
-        row: list[str | None] = []
+    orders = []
+    for rank in sorted({e["rank"] for e in events}):
         counts = {"forward": 0, "backward": 0}
-        previous_end = begin
+        order = []
         for event in sorted((e for e in events if e["rank"] == rank), key=lambda e: e["start"]):
-            row += [None] * round((event["start"] - previous_end) / slot)
-            row.append(f"{event['kind'][0].upper()}{counts[event['kind']]}")
+            order.append(f"{event['kind'][0].upper()}{counts[event['kind']]}")
             counts[event["kind"]] += 1
-            previous_end = event["end"]
-        rows.append(row)
-    length = max(len(row) for row in rows)
-    return [row + [None] * (length - len(row)) for row in rows]
+        orders.append(order)
+    return orders
+
+
+def started_before_input(events: Sequence[dict[str, Any]]) -> list[str]:
+    """Actions that started before their input was there (forward i on stage s needs stage s-1's forward i to
+    have ended; backward i needs stage s+1's backward i). An empty list: every stage waited for its input."""
+    orders = measured_orders(events)
+    ranks = sorted({e["rank"] for e in events})
+    timed = {}
+    for rank, order in zip(ranks, orders, strict=True):
+        ran = sorted((e for e in events if e["rank"] == rank), key=lambda e: e["start"])
+        timed.update({(rank, action): event for action, event in zip(order, ran, strict=True)})
+    early = []
+    for (rank, action), event in timed.items():
+        source = (rank - 1 if action[0] == "F" else rank + 1, action)
+        if source in timed and event["start"] < timed[source]["end"]:
+            early.append(f"{action} on rank {rank}")
+    return early
 
 
 def idle_fraction(events: Sequence[dict[str, Any]]) -> float:
@@ -178,9 +186,9 @@ def ran_orders(timelines: Sequence[dict[str, list[dict[str, Any]]]], schedule: s
         name, microbatches = key.split(" m=")
         if name != schedule:
             continue
-        rows = measured_slots([event for timeline in timelines for event in timeline[key]])
+        rows = measured_orders([event for timeline in timelines for event in timeline[key]])
         for stage, row in enumerate(rows):
-            orders[(len(rows), int(microbatches), stage)] = [action for action in row if action is not None]
+            orders[(len(rows), int(microbatches), stage)] = row
     return orders
 
 

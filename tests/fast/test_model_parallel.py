@@ -11,10 +11,11 @@ from helpers.model_parallel import (
     bubble_fraction,
     check_stage_order,
     idle_fraction,
-    measured_slots,
+    measured_orders,
     memory_per_rank,
     pipeline_schedule,
     ran_orders,
+    started_before_input,
     torch_1f1b_order,
 )
 from helpers.models import mlp, split_stages
@@ -50,13 +51,17 @@ def test_pipeline_schedule_matches_the_formula_and_1f1b_holds_fewer():
         pipeline_schedule(2, 2, "interleaved")
 
 
-def test_measured_slots_round_small_delays_away():
+def test_measured_orders_ignore_delays_and_catch_early_starts():
     events = [{"rank": 0, "kind": "forward", "start": 0.0, "end": 1.0},
               {"rank": 1, "kind": "forward", "start": 1.1, "end": 2.1},
               {"rank": 1, "kind": "backward", "start": 2.1, "end": 3.0},
-              {"rank": 0, "kind": "backward", "start": 3.2, "end": 4.1}]
-    assert measured_slots(events) == pipeline_schedule(2, 1)["slots"]
+              {"rank": 0, "kind": "backward", "start": 5.2, "end": 6.1}]  # a long delay: same order
+    assert measured_orders(events) == [["F0", "B0"], ["F0", "B0"]]
+    assert started_before_input(events) == []
     assert idle_fraction(events[:2]) == pytest.approx(0.5, abs=0.03)
+    overlapping = [dict(e) for e in events]
+    overlapping[1]["start"] = 0.5  # rank 1 began its forward before rank 0's had ended
+    assert started_before_input(overlapping) == ["F0 on rank 1"]
 
 
 def test_saved_activations_counts_live_and_peak_bytes():
