@@ -144,21 +144,29 @@ class _Mark(torch.autograd.Function):
     def forward(ctx: Any, tensor: torch.Tensor, watch: "Stopwatch", name: str) -> torch.Tensor:
         ctx.watch, ctx.name = watch, name
         watch.times.append((f"forward {name}", time.time()))
+        watch.cpu_times.append(time.thread_time())
         return tensor.view_as(tensor)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         ctx.watch.times.append((f"backward {ctx.name}", time.time()))
+        ctx.watch.cpu_times.append(time.thread_time())
         return grad, None, None
 
 
 class Stopwatch(nn.Module):
-    """Wraps a stage so that every forward and backward through it becomes a (kind, start, end) interval."""
+    """Wraps a stage so that every forward and backward through it becomes a (kind, start, end) interval.
+
+    Beside the wall clock it reads this thread's CPU clock (`time.thread_time`) at the same marks: on CPU the
+    stage's forward and backward run on the calling thread, so an interval whose wall time exceeds its CPU
+    time spent part of it waiting (for a core, with OMP_NUM_THREADS=1 per process).
+    """
 
     def __init__(self, stage: nn.Module) -> None:
         super().__init__()
         self.stage = stage
         self.times: list[tuple[str, float]] = []
+        self.cpu_times: list[float] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The first stage gets plain data; asking for its gradient is what makes "backward start" fire.
@@ -175,6 +183,22 @@ class Stopwatch(nn.Module):
             else:
                 intervals.append((kind, opened[kind].pop(0), moment))
         return intervals
+
+    def cpu_seconds(self) -> list[float]:
+        """This thread's CPU seconds inside each interval, in the order of `intervals()`."""
+        spent, opened = [], {}
+        for (label, _), moment in zip(self.times, self.cpu_times, strict=True):
+            kind, mark = label.split()
+            if (kind, mark) in (("forward", "start"), ("backward", "end")):
+                opened.setdefault(kind, []).append(moment)
+            else:
+                spent.append(moment - opened[kind].pop(0))
+        return spent
+
+    def clear(self) -> None:
+        """Forget the marks of earlier steps."""
+        self.times.clear()
+        self.cpu_times.clear()
 
 
 def diverged_tensors(model: Any, tolerance: float = 0.0) -> list[str]:

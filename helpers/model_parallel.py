@@ -4,15 +4,15 @@
     memory_per_rank(n_params=1_000_000, world_size=2, mode="fsdp")    # bytes per rank by part
     pipeline_schedule(stages=2, microbatches=4, schedule="1f1b")        # slots, bubble, peak in flight
 
-The notebook imports the formulas and `measured_slots`; the instruments its workers use (`SavedActivations`,
-`SimulatedWork`, `Stopwatch`) are in helpers/instruments.py, `held_bytes` in helpers/tensors.py, the model (`mlp`)
-and `split_stages` in helpers/models.py, and `plot_timeline` in helpers/plots.py.
+The notebook imports the formulas, `measured_orders` and the exercise's check; the instruments its workers use
+(`SavedActivations`, `SimulatedWork`, `Stopwatch`) are in helpers/instruments.py, `held_bytes` in
+helpers/tensors.py, the model (`mlp`) and `split_stages` in helpers/models.py, and `plot_timeline` in
+helpers/plots.py.
 Taught in notebooks/07_model_parallel.ipynb.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
-from statistics import median
 from typing import Any
 
 # What one rank keeps per parameter, in bytes, for each precision (the optimizer's own state comes on top).
@@ -115,29 +115,38 @@ def _peak_in_flight(order: Sequence[str]) -> int:
     return peak
 
 
-def measured_slots(events: Sequence[dict[str, Any]]) -> list[list[str | None]]:
-    """Turn measured intervals {rank, kind, start, end} into rows of slots, as `pipeline_schedule` gives them.
+def measured_orders(events: Sequence[dict[str, Any]]) -> list[list[str]]:
+    """The order in which each rank ran its actions, from measured intervals {rank, kind, start, end}.
 
-    The slot is the median measured action; each gap between actions counts as round(gap / slot) idle
-    slots, so small delays (a send, Python) do not add up into extra slots. Micro-batches are numbered in
-    the order each rank ran them (both schedules run forwards and backwards in micro-batch order).
+    Micro-batches are numbered in the order each rank ran them (GPipe and 1F1B both run forwards, and
+    backwards, in micro-batch order). Gaps are ignored: a busy machine can delay an action, not reorder it.
     """
-    slot = median(e["end"] - e["start"] for e in events)
-    begin = min(e["start"] for e in events)
-    ranks = sorted({e["rank"] for e in events})
-    rows = []
-    for rank in ranks:
-        row: list[str | None] = []
+    orders = []
+    for rank in sorted({e["rank"] for e in events}):
         counts = {"forward": 0, "backward": 0}
-        previous_end = begin
+        order = []
         for event in sorted((e for e in events if e["rank"] == rank), key=lambda e: e["start"]):
-            row += [None] * round((event["start"] - previous_end) / slot)
-            row.append(f"{event['kind'][0].upper()}{counts[event['kind']]}")
+            order.append(f"{event['kind'][0].upper()}{counts[event['kind']]}")
             counts[event["kind"]] += 1
-            previous_end = event["end"]
-        rows.append(row)
-    length = max(len(row) for row in rows)
-    return [row + [None] * (length - len(row)) for row in rows]
+        orders.append(order)
+    return orders
+
+
+def started_before_input(events: Sequence[dict[str, Any]]) -> list[str]:
+    """Actions that started before their input was there (forward i on stage s needs stage s-1's forward i to
+    have ended; backward i needs stage s+1's backward i). An empty list: every stage waited for its input."""
+    orders = measured_orders(events)
+    ranks = sorted({e["rank"] for e in events})
+    timed = {}
+    for rank, order in zip(ranks, orders, strict=True):
+        ran = sorted((e for e in events if e["rank"] == rank), key=lambda e: e["start"])
+        timed.update({(rank, action): event for action, event in zip(order, ran, strict=True)})
+    early = []
+    for (rank, action), event in timed.items():
+        source = (rank - 1 if action[0] == "F" else rank + 1, action)
+        if source in timed and event["start"] < timed[source]["end"]:
+            early.append(f"{action} on rank {rank}")
+    return early
 
 
 def idle_fraction(events: Sequence[dict[str, Any]]) -> float:
@@ -149,19 +158,89 @@ def idle_fraction(events: Sequence[dict[str, Any]]) -> float:
     return 1 - busy / (span * len(ranks))
 
 
-def check_smallest_mode(smallest_mode: Any) -> bool:
-    """Exercise check: does smallest_mode(n_params, world_size, gpu_bytes) pick the least sharding that fits?"""
+def torch_1f1b_order(stages: int, microbatches: int, stage: int) -> list[str]:
+    """The forwards and backwards that torch's own Schedule1F1B lists for `stage`, in order ("F0", "B0", ...).
+
+    Read from the schedule's `pipeline_order` (`Schedule1F1B._get_pipeline_order` in
+    torch/distributed/pipelining/schedules.py), which needs only the number of stages, not a process group.
+    For the last stage that list numbers the forwards from 1 (in torch 2.14.1 it lists F1..Fm, not F0..F(m-1)),
+    so use it for the other stages only.
+    """
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining import Schedule1F1B
+    from torch.distributed.pipelining.schedules import _ComputationType
+
+    if stage >= stages - 1:
+        raise ValueError("torch's pipeline_order misnumbers the last stage's forwards; compare the other stages")
+    kinds = {_ComputationType.FORWARD: "F", _ComputationType.FULL_BACKWARD: "B"}
+    schedule = Schedule1F1B(SimpleNamespace(num_stages=stages), n_microbatches=microbatches)
+    return [f"{kinds[action.computation_type]}{action.microbatch_index}"
+            for action in schedule.pipeline_order[stage] if action is not None and action.computation_type in kinds]
+
+
+def ran_orders(timelines: Sequence[dict[str, list[dict[str, Any]]]], schedule: str = "1f1b") -> dict:
+    """{(stages, microbatches, stage): the actions that stage ran, in order} from a pipeline run's timelines."""
+    orders = {}
+    for key in timelines[0]:
+        name, microbatches = key.split(" m=")
+        if name != schedule:
+            continue
+        rows = measured_orders([event for timeline in timelines for event in timeline[key]])
+        for stage, row in enumerate(rows):
+            orders[(len(rows), int(microbatches), stage)] = row
+    return orders
+
+
+def check_stage_order(stage_order: Any, ran: dict[tuple[int, int, int], list[str]]) -> bool:
+    """Exercise check: does stage_order(stage, stages, microbatches) give the order 1F1B runs on that stage?
+
+    `ran` holds what torch's Schedule1F1B ran in this lesson's pipeline run (2 stages); for 3 and 4 stages the
+    reference is torch's own `pipeline_order` (`torch_1f1b_order`) for every stage but the last, and the rules
+    below for the last.
+    """
     from helpers.checks import correct, not_yet
 
-    cases = [(1_300_000_000, 1, 24e9), (1_500_000_000, 8, 16e9), (7_000_000_000, 8, 40e9),
-             (7_000_000_000, 8, 30e9), (7_000_000_000, 8, 24e9), (70_000_000_000, 64, 80e9),
-             (70_000_000_000, 8, 80e9)]
-    for n_params, world_size, gpu_bytes in cases:
-        expected = next((mode for mode in MODES
-                         if sum(memory_per_rank(n_params, world_size, mode, precision="mixed").values())
-                         <= gpu_bytes), None)
-        got = smallest_mode(n_params, world_size, gpu_bytes)
-        if got != expected:
-            return not_yet(f"{n_params / 1e9:g}B parameters on {world_size} ranks of {gpu_bytes / 1e9:g} GB "
-                           f"gave {got!r}, expected {expected!r}.")
-    return correct(f"smallest_mode picks the least sharding that fits in all {len(cases)} cases.")
+    # The 4-micro-batch cases first: short enough to read, and GPipe and 1F1B differ there on every stage.
+    cases = sorted(ran, key=lambda case: (case[1] != 4, case))
+    cases += [(stages, m, s) for stages, m in ((3, 5), (4, 8)) for s in range(stages)]
+    for stages, microbatches, stage in cases:
+        where = f"stage {stage} of {stages}, {microbatches} micro-batches"
+        try:
+            got = stage_order(stage, stages, microbatches)
+        except Exception as error:  # the learner's code: say what it raised
+            return not_yet(f"{where}: stage_order raised {type(error).__name__}: {error}")
+        if not isinstance(got, list) or not all(isinstance(action, str) for action in got):
+            return not_yet(f"{where}: return a list of strings like ['F0', 'F1', 'B0', ...], not {got!r}.")
+        wanted = [f"F{i}" for i in range(microbatches)] + [f"B{i}" for i in range(microbatches)]
+        missing = [a for a in wanted if a not in got]
+        extra = sorted({a for a in got if a not in wanted or got.count(a) > 1})
+        if missing or extra:
+            return not_yet(f"{where}: every one of F0..F{microbatches - 1} and B0..B{microbatches - 1} runs exactly "
+                           f"once; missing {missing}, extra or repeated {extra}.")
+        for kind in "FB":
+            runs = [a for a in got if a[0] == kind]
+            if runs != sorted(runs, key=lambda a: int(a[1:])):
+                return not_yet(f"{where}: the {'forwards' if kind == 'F' else 'backwards'} must run in micro-batch "
+                               f"order, got {runs}.")
+        early = next((f"B{i}" for i in range(microbatches) if got.index(f"B{i}") < got.index(f"F{i}")), None)
+        if early:
+            return not_yet(f"{where}: {early} comes before F{early[1:]}, but a backward needs its forward's "
+                           f"activations. Got {got}.")
+        held = _peak_in_flight(got)
+        limit = min(microbatches, stages - stage)
+        if held != limit:
+            return not_yet(f"{where}: your order holds {held} micro-batches' activations at its peak; 1F1B holds "
+                           f"min(m, p - s) = {limit} (run p - s forwards, then a backward as soon as one is due). "
+                           f"Got {got}.")
+        reference = ran.get((stages, microbatches, stage))
+        source = "torch's Schedule1F1B ran in this lesson"
+        if reference is None and stage < stages - 1:
+            reference, source = torch_1f1b_order(stages, microbatches, stage), "torch's Schedule1F1B lists"
+        if reference is not None and got != reference:
+            position = next(i for i, (a, b) in enumerate(zip(got, reference, strict=True)) if a != b)
+            return not_yet(f"{where}: at position {position} you run {got[position]}, {source} "
+                           f"{reference[position]} (after the warm-up, alternate one backward and one forward). "
+                           f"Got {got}, expected {reference}.")
+    return correct(f"stage_order gives 1F1B's order in all {len(cases)} cases: the order torch ran for 2 stages and "
+                   "listed for 3 and 4, with min(m, p - s) micro-batches held at most.")

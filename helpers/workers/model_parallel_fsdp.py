@@ -6,8 +6,12 @@
 it holds, counts the all-gathers and reduce-scatters of each step (by wrapping the two functions FSDP
 calls), and trains a DDP copy on the same data to check that parameters stay equal. Last, one step of a
 copy sharded with MixedPrecisionPolicy(param_dtype=torch.bfloat16): its all-gathers and reduce-scatters
-move bf16 (2 bytes per value), and its loss is compared with the fp32 model's; and one step of a copy
-with reshard_after_forward=False, which gathers each layer once per step. Works with one process.
+move bf16 (2 bytes per value), and its loss is compared with the fp32 model's; one step of a copy
+with reshard_after_forward=False, which gathers each layer once per step; and one step of a copy sharded
+with the default reshard_after_forward=None, in which the root module owns a parameter of its own (the
+output layer is not sharded separately): None means True for inner modules and False for the root
+(torch/distributed/fsdp/_fully_shard/_fully_shard.py, docstring and lines 246-260; FSDPState._lazy_init in
+_fsdp_state.py), so the root's group is gathered once per step. Works with one process.
 """
 import argparse
 from collections import Counter
@@ -24,6 +28,7 @@ from helpers.reporting import report, result
 from helpers.tensors import max_abs_diff
 
 traffic: Counter = Counter()
+reduce_ops: set[str] = set()  # the ReduceOp FSDP passes to reduce_scatter_single
 
 
 def count_calls(name: str, full_size_arg: str) -> None:
@@ -34,15 +39,19 @@ def count_calls(name: str, full_size_arg: str) -> None:
         full = kwargs[full_size_arg] if full_size_arg in kwargs else args[0 if full_size_arg == "output" else 1]
         traffic[f"{name} calls"] += 1
         traffic[f"{name} bytes"] += full.numel() * full.element_size()
+        if "op" in kwargs:
+            reduce_ops.add(str(kwargs["op"]))
         return original(*args, **kwargs)
 
     setattr(dist, name, counted)
 
 
-def shard(model: nn.Sequential, policy: MixedPrecisionPolicy, reshard_after_forward: bool = True) -> nn.Sequential:
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+def shard(model: nn.Sequential, policy: MixedPrecisionPolicy, reshard_after_forward: bool | None = True,
+          skip_last: bool = False) -> nn.Sequential:
+    """fully_shard every Linear (all but the last one with skip_last: the root then owns it), then the model."""
+    linears = [layer for layer in model if isinstance(layer, nn.Linear)]
+    for layer in linears[:-1] if skip_last else linears:
+        fully_shard(layer, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     return model
 
@@ -94,13 +103,19 @@ def main() -> None:
     # And kept gathered from forward to backward: one all-gather per layer and step instead of two.
     kept_model = shard(mlp(args.width, args.hidden_layers).to(device), MixedPrecisionPolicy(),
                        reshard_after_forward=False)
+    # The default (None), with the output layer left to the root's group.
+    default_model = shard(mlp(args.width, args.hidden_layers).to(device), MixedPrecisionPolicy(),
+                          reshard_after_forward=None, skip_last=True)
+    root_params = sum(p.numel() for p in default_model[-1].parameters())
     losses, extra = {}, {}
-    for name, copy in (("bf16", bf16_model), ("fp32", fp32_model), ("no_reshard", kept_model)):
+    for name, copy in (("bf16", bf16_model), ("fp32", fp32_model), ("no_reshard", kept_model),
+                       ("default", default_model)):
         traffic.clear()
         losses[name] = nn.functional.cross_entropy(copy(images), labels)
         losses[name].backward()
         extra[name] = dict(traffic)
     result(shards=shards, traffic=per_step, bf16_traffic=extra["bf16"], no_reshard_traffic=extra["no_reshard"],
+           default_traffic=extra["default"], root_params=root_params, reduce_ops=sorted(reduce_ops),
            max_param_diff=max_diff,
            n_params=sum(q.numel() for q in ddp_model.parameters()),
            bf16_loss_diff=abs(losses["bf16"].item() - losses["fp32"].item()),

@@ -44,7 +44,7 @@ def main() -> None:
 
     for step in range(args.steps):
         stage.zero_grad()
-        stage.times.clear()
+        stage.clear()
         dist.barrier()  # start together, so that the timeline shows only the waiting the split causes
         if first:
             inputs = images

@@ -6,14 +6,18 @@
 The model is split as in model_parallel_naive.py, one stage per rank, each wrapped in a PipelineStage. A
 schedule (GPipe: all forwards then all backwards; 1F1B: alternate once the pipeline is full) cuts
 the batch into micro-batches and moves activations and gradients between ranks for us.
-`--stage-ms` gives every stage a fixed compute time (a sleep of that many milliseconds per whole batch,
-in forward and again in backward, split evenly over the micro-batches), so that on a small CPU the
-stages' work, not the messages between them, fills the timeline. Every rank records when its stage
-computes and how many bytes of activations it holds at most (of the fastest step after a warm-up, so
-that a moment when the machine is busy elsewhere does not count), and checks loss and gradients against
-the unsplit model. Works with one process (a one-stage pipeline).
+`--stage-ms` adds a simulated compute time to every stage (a sleep of that many milliseconds per whole
+batch, in forward and again in backward, split evenly over the micro-batches), so that on a small CPU the
+stages' work, not the messages between them, fills the timeline; `--stage-ms 0` leaves the real compute
+only. Every rank records when its stage computes (wall clock, and this thread's CPU time inside each
+interval) and how many bytes of activations it holds at most. Of the steps after a warm-up it keeps the
+fastest (the one whose slowest rank finished soonest), so that a moment when the machine is busy elsewhere
+does not count: a choice that makes the idle time the lowest of the recorded steps, not their average.
+It also checks loss and gradients against the unsplit model. Works with one process (a one-stage pipeline).
 """
 import argparse
+import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -34,6 +38,27 @@ def fastest_step(steps: list[list[dict]]) -> int:
     spans = torch.tensor([max(e["end"] for e in events) - min(e["start"] for e in events) for events in steps])
     dist.all_reduce(spans, op=dist.ReduceOp.MAX)
     return int(spans.argmin())
+
+
+def message_seconds(shape: tuple[int, ...], device: torch.device, rounds: int = 20) -> float | None:
+    """One-way time of a plain dist.send/recv of `shape` floats between ranks 0 and 1 (median of round trips / 2).
+
+    A control for the pipeline's timelines: what one activation (or its gradient) costs to hand over, without
+    the schedule around it. None with one process.
+    """
+    if dist.get_world_size() < 2 or dist.get_rank() > 1:
+        return None
+    buffer, trips = torch.zeros(shape, device=device), []
+    for _ in range(rounds + 2):  # two warm-up trips
+        start = time.perf_counter()
+        if dist.get_rank() == 0:
+            dist.send(buffer, dst=1)
+            dist.recv(buffer, src=1)
+        else:
+            dist.recv(buffer, src=0)
+            dist.send(buffer, dst=0)
+        trips.append(time.perf_counter() - start)
+    return statistics.median(trips[2:]) / 2
 
 
 def main() -> None:
@@ -76,7 +101,7 @@ def main() -> None:
         for step in range(args.steps_per_schedule):  # the first step also runs an extra forward to learn shapes
             simulated.ms_per_sample = args.stage_ms / args.global_batch if step > 0 else 0.0
             watched.zero_grad()
-            watched.times.clear()
+            watched.clear()
             dist.barrier()
             losses: list[torch.Tensor] = []
             with SavedActivations(watched) as saved:  # this stage's activations, over the whole step
@@ -89,8 +114,9 @@ def main() -> None:
                 else:
                     schedule.step()
             if step > 0:
-                events = [{"rank": rank, "kind": kind, "start": start, "end": end}
-                          for kind, start, end in watched.intervals()]
+                events = [{"rank": rank, "kind": kind, "start": start, "end": end, "cpu": cpu}
+                          for (kind, start, end), cpu in zip(watched.intervals(), watched.cpu_seconds(),
+                                                             strict=True)]
                 # Every micro-batch saves the same bytes, so saved.bytes / m is one micro-batch's activations.
                 recorded.append((events, {"peak": saved.peak, "per_microbatch": saved.bytes / microbatches}))
         key = f"{name} m={microbatches}"
@@ -100,7 +126,10 @@ def main() -> None:
         loss_diff = abs(torch.stack(losses).mean().item() - unsplit_loss.item()) if last else None
         checks[key] = {"grad_diff": grad_diff, "loss_diff": loss_diff}
         progress(done + 1, total=len(configs))
-    result(timelines=timelines, checks=checks, activations=activations, loss=unsplit_loss.item())
+    # The smallest micro-batch's activation: [global batch / largest m, width] floats.
+    message = message_seconds((args.global_batch // max(args.microbatches), args.width), device)
+    result(timelines=timelines, checks=checks, activations=activations, loss=unsplit_loss.item(),
+           message_seconds=message)
     dist.destroy_process_group()
 
 

@@ -9,11 +9,14 @@ from helpers.instruments import SavedActivations
 from helpers.model_parallel import (
     activation_bytes,
     bubble_fraction,
-    check_smallest_mode,
+    check_stage_order,
     idle_fraction,
-    measured_slots,
+    measured_orders,
     memory_per_rank,
     pipeline_schedule,
+    ran_orders,
+    started_before_input,
+    torch_1f1b_order,
 )
 from helpers.models import mlp, split_stages
 
@@ -48,13 +51,17 @@ def test_pipeline_schedule_matches_the_formula_and_1f1b_holds_fewer():
         pipeline_schedule(2, 2, "interleaved")
 
 
-def test_measured_slots_round_small_delays_away():
+def test_measured_orders_ignore_delays_and_catch_early_starts():
     events = [{"rank": 0, "kind": "forward", "start": 0.0, "end": 1.0},
               {"rank": 1, "kind": "forward", "start": 1.1, "end": 2.1},
               {"rank": 1, "kind": "backward", "start": 2.1, "end": 3.0},
-              {"rank": 0, "kind": "backward", "start": 3.2, "end": 4.1}]
-    assert measured_slots(events) == pipeline_schedule(2, 1)["slots"]
+              {"rank": 0, "kind": "backward", "start": 5.2, "end": 6.1}]  # a long delay: same order
+    assert measured_orders(events) == [["F0", "B0"], ["F0", "B0"]]
+    assert started_before_input(events) == []
     assert idle_fraction(events[:2]) == pytest.approx(0.5, abs=0.03)
+    overlapping = [dict(e) for e in events]
+    overlapping[1]["start"] = 0.5  # rank 1 began its forward before rank 0's had ended
+    assert started_before_input(overlapping) == ["F0 on rank 1"]
 
 
 def test_saved_activations_counts_live_and_peak_bytes():
@@ -64,12 +71,102 @@ def test_saved_activations_counts_live_and_peak_bytes():
     assert saved.bytes == saved.peak == activation_bytes(4, 8, 1) and saved.live == 0
 
 
-def test_split_and_exercise_check(capsys):
+def test_split_stages_covers_the_model():
     stages = split_stages(mlp(8, 3), 2)
     assert sum(len(s) for s in stages) == len(mlp(8, 3)) and len(stages) == 2
-    assert not check_smallest_mode(lambda *args: None)
-    assert "Not yet" in capsys.readouterr().out
-    assert not check_smallest_mode(lambda *args: "fsdp")  # always the most sharding is wrong too
-    assert check_smallest_mode(lambda n, w, b: next(
-        (m for m in ("ddp", "zero1", "zero2", "fsdp")
-         if sum(memory_per_rank(n, w, m, precision="mixed").values()) <= b), None))
+
+
+# What torch's Schedule1F1B ran in the lesson's run (2 stages), as ran_orders reads it from the timelines.
+RAN = {(2, 2, 0): ["F0", "F1", "B0", "B1"], (2, 2, 1): ["F0", "B0", "F1", "B1"],
+       (2, 4, 0): ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"],
+       (2, 4, 1): ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3"]}
+
+
+def one_f_one_b(stage, stages, microbatches):
+    warmup = min(microbatches, stages - stage)
+    order = [f"F{i}" for i in range(warmup)]
+    for i in range(microbatches):
+        order.append(f"B{i}")
+        if warmup + i < microbatches:
+            order.append(f"F{warmup + i}")
+    return order
+
+
+def gpipe(stage, stages, microbatches):
+    return [f"F{i}" for i in range(microbatches)] + [f"B{i}" for i in range(microbatches)]
+
+
+def backwards_bunched(stage, stages, microbatches):  # peak p - s, but two backwards in a row mid-way
+    order = one_f_one_b(stage, stages, microbatches)
+    if stage == 0 and stages == 2 and microbatches == 4:
+        return ["F0", "F1", "B0", "B1", "F2", "F3", "B2", "B3"]
+    return order
+
+
+def warmup_too_short(stage, stages, microbatches):  # p - s - 1 forwards first: holds one micro-batch too few
+    warmup = max(0, min(microbatches, stages - stage - 1))
+    order = [f"F{i}" for i in range(warmup)]
+    for i in range(microbatches):
+        order.append(f"B{i}")
+        if warmup + i < microbatches:
+            order.append(f"F{warmup + i}")
+    return order
+
+
+def backward_first(stage, stages, microbatches):  # the last stage runs B0 before F0
+    order = one_f_one_b(stage, stages, microbatches)
+    return order[1:2] + order[:1] + order[2:] if stage == stages - 1 else order
+
+
+def forgets_last_backward(stage, stages, microbatches):
+    return one_f_one_b(stage, stages, microbatches)[:-1]
+
+
+def crashes(stage, stages, microbatches):
+    raise IndexError("list index out of range")
+
+
+@pytest.mark.parametrize(("wrong", "message"), [
+    (lambda *args: None, "stage 0 of 2, 4 micro-batches: return a list of strings"),
+    (gpipe, "stage 0 of 2, 4 micro-batches: your order holds 4 micro-batches' activations at its peak; "
+            "1F1B holds min(m, p - s) = 2"),
+    (forgets_last_backward, "missing ['B3'], extra or repeated []"),
+    (warmup_too_short, "stage 0 of 2, 4 micro-batches: your order holds 1 micro-batches' activations at its peak; "
+                       "1F1B holds min(m, p - s) = 2"),
+    (backward_first, "stage 1 of 2, 4 micro-batches: B0 comes before F0"),
+    (backwards_bunched, "stage 0 of 2, 4 micro-batches: at position 3 you run B1, torch's Schedule1F1B ran in "
+                        "this lesson F2"),
+    (crashes, "stage_order raised IndexError: list index out of range"),
+    (lambda s, p, m: list(reversed(one_f_one_b(s, p, m))), "the forwards must run in micro-batch order"),
+])
+def test_stage_order_check_says_what_is_wrong(capsys, wrong, message):
+    assert not check_stage_order(wrong, RAN)
+    out = capsys.readouterr().out
+    assert out.startswith("Not yet: ") and message in out, out
+
+
+def test_the_last_stage_of_four_is_held_to_the_rules(capsys):
+    def wrong_last_stage(stage, stages, microbatches):  # right everywhere but on the last of 4 stages
+        return gpipe(stage, stages, microbatches) if (stage, stages) == (3, 4) else one_f_one_b(stage, stages,
+                                                                                                microbatches)
+    assert not check_stage_order(wrong_last_stage, RAN)
+    assert "stage 3 of 4, 8 micro-batches: your order holds 8" in capsys.readouterr().out
+
+
+def test_stage_order_check_accepts_1f1b_and_matches_torch(capsys):
+    assert check_stage_order(one_f_one_b, RAN)
+    assert capsys.readouterr().out.startswith("Correct: ")
+    for stages, microbatches in ((2, 4), (3, 5), (4, 8)):
+        for stage in range(stages - 1):
+            assert torch_1f1b_order(stages, microbatches, stage) == one_f_one_b(stage, stages, microbatches)
+    with pytest.raises(ValueError):
+        torch_1f1b_order(4, 8, 3)
+
+
+def test_ran_orders_reads_the_timelines():
+    events = [{"rank": 0, "kind": "forward", "start": 0.0, "end": 1.0},
+              {"rank": 1, "kind": "forward", "start": 1.0, "end": 2.0},
+              {"rank": 1, "kind": "backward", "start": 2.0, "end": 3.0},
+              {"rank": 0, "kind": "backward", "start": 3.0, "end": 4.0}]
+    timelines = [{"1f1b m=1": events[:1] + events[3:]}, {"1f1b m=1": events[1:3]}]
+    assert ran_orders(timelines) == {(2, 1, 0): ["F0", "B0"], (2, 1, 1): ["F0", "B0"]}
