@@ -6,11 +6,16 @@ The cross-rank checks that workers call (diverged_tensors, nonfinite_ranks) are 
     read_flight_records(folder)                # the Flight Recorder dumps a worker wrote, per rank
     repair_gloo_dump(folder, out)              # make gloo dumps readable by torch's fr_trace analyser
     check_mystery(rank, step, fixed_run)       # the exercise's check
+    wait_until_step(job, step)                 # a started job whose every rank has reported `step`
+    worker_pids(job)                           # rank -> pid of a started job's live workers
+    main_thread_frames(dump, script)           # a py-spy or faulthandler dump, main thread, down to `script`
+    torchrun_summary(output)                   # torchrun's ChildFailedError summary, times/hosts/pids masked
 """
 from __future__ import annotations
 
 import pickle
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -116,3 +121,63 @@ def check_mystery(rank: int | None, step: int | None, fixed_run: Any = None) -> 
         return not_yet(f"the fixed run finished, but its final losses are not finite: {losses}")
     return correct(f"the NaN was born on rank {rank} at step {step}, and the fixed job ran all {STEPS} steps "
                    f"with finite losses on every rank")
+
+
+def wait_until_step(job: Any, step: int, limit: float = 30.0) -> None:
+    """Return once every rank of a started job has reported `step` (the readiness signal of a planted hang)."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        job.tick()
+        reported = {row["rank"] for row in job.folder.metrics if row.get("step") == step}
+        if len(reported) == job.spec["nproc"]:
+            return
+        if job.agent.poll() is not None:
+            raise RuntimeError(f"the job ended before every rank reached step {step}: {job.run_dir}")
+        time.sleep(0.05)
+    raise TimeoutError(f"not every rank reached step {step} within {limit:g} s")
+
+
+def worker_pids(job: Any) -> dict[int, int]:
+    """rank -> process id of each live worker of a started job (on a cluster: `pgrep -f train.py`, or the pids
+    in torchrun's own log)."""
+    return job.folder.live_worker_pids()
+
+
+_PY_SPY_FRAME = re.compile(r"^\s+(\S+) \(([^:()]+):(\d+)\)$")
+_FAULTHANDLER_FRAME = re.compile(r'^\s+File "([^"]+)", line (\d+) in (\S+)$')
+
+
+def main_thread_frames(dump: str, script: str) -> list[str]:
+    """The main thread's Python frames in a py-spy dump or a faulthandler dump, innermost first, as
+    "function (file:line)", down to `script`'s top level (what lies below it is the launcher's machinery)."""
+    frames = []
+    in_main = False
+    for line in dump.splitlines():
+        if line.startswith(("Thread ", "Current thread ")):
+            in_main = "MainThread" in line or line.startswith("Current thread ")
+            continue
+        if not in_main:
+            continue
+        py_spy, fault = _PY_SPY_FRAME.match(line), _FAULTHANDLER_FRAME.match(line)
+        if py_spy:
+            function, file, number = py_spy.groups()
+        elif fault:
+            file, number, function = fault.groups()
+        else:
+            continue
+        frames.append(f"{function} ({Path(file).name}:{number})")
+        if function == "<module>" and Path(file).name == Path(script).name:
+            break
+    return frames
+
+
+def torchrun_summary(output: str) -> str:
+    """The ChildFailedError block torchrun prints when a rank fails, with times, host names, process ids and
+    temporary paths masked (they differ on every run)."""
+    start = output.index("torch.distributed.elastic.multiprocessing.errors.ChildFailedError:")
+    block = output[start:output.index("=" * 60, output.index("Root Cause", start)) + 60]
+    block = re.sub(r"time      : \S+", "time      : <time>", block)
+    block = re.sub(r"host      : \S+", "host      : <host>", block)
+    block = re.sub(r"pid: \d+", "pid: <pid>", block)
+    block = re.sub(r"PID \d+", "PID <pid>", block)
+    return re.sub(r"/tmp/torchelastic_\S+", "<error file>", block)

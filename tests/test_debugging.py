@@ -58,3 +58,90 @@ def test_mystery_nan_flag_names_every_rank_anomaly_names_the_planted_one_and_eps
     assert not check_mystery(rank, step, unfixed)
     fixed = launch(MYSTERY, nproc=2, args=["--eps", "1e-8"], timeout=60, echo=False)
     assert check_mystery(rank, step, fixed)
+
+
+# ------------------------------------------------------------------ lesson 08's Flight Recorder and live-hang tools
+
+def test_flight_recorder_records_by_default_and_zero_turns_it_off(monkeypatch, tmp_path):
+    from helpers.debugging import read_flight_records
+
+    launch(COLLECTIVES, nproc=2, args=["--bug", "none", "--flight-recorder", tmp_path / "default"], timeout=60,
+           echo=False)
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "0")
+    launch(COLLECTIVES, nproc=2, args=["--bug", "none", "--flight-recorder", tmp_path / "off"], timeout=60,
+           echo=False)
+    default, off = read_flight_records(tmp_path / "default"), read_flight_records(tmp_path / "off")
+    # 6 steps of 2 all-reduces and 2 barriers: a recorder that is off by default records none
+    assert {rank: len(r["entries"]) for rank, r in default.items()} == {0: 14, 1: 14}
+    assert {rank: len(r["entries"]) for rank, r in off.items()} == {0: 0, 1: 0}
+
+
+PY_SPY_DUMP = """Process 12: python -m helpers.launcher.server
+Python v3.11.7 (/usr/bin/python3.11)
+
+Thread 12 (idle): "MainThread"
+    barrier (torch/distributed/distributed_c10d.py:6371)
+    meet (helpers/workers/debug_collectives.py:58)
+    <module> (helpers/workers/debug_collectives.py:127)
+    run_script (helpers/launcher/bootstrap.py:93)
+Thread 13 (idle): "Thread-1 (loop)"
+    loop (helpers/workers/debug_collectives.py:90)
+"""
+
+FAULTHANDLER_DUMP = """step 3: gradient[0] 3, samples 32
+Thread 0x00007f0000000001 (most recent call first):
+  File "/x/helpers/workers/debug_collectives.py", line 90 in loop
+
+Current thread 0x00007f3138e18b80 (most recent call first):
+  File "/x/torch/distributed/distributed_c10d.py", line 3913 in all_reduce
+  File "/x/helpers/workers/debug_collectives.py", line 65 in train
+  File "/x/helpers/workers/debug_collectives.py", line 127 in <module>
+  File "/x/helpers/launcher/bootstrap.py", line 93 in run_script
+"""
+
+
+def test_main_thread_frames_reads_py_spy_and_faulthandler_and_stops_at_the_script():
+    from helpers.debugging import main_thread_frames
+
+    # catches frames of another thread, frames past the script's top level, or a parser for one format only
+    assert main_thread_frames(PY_SPY_DUMP, "debug_collectives.py") == [
+        "barrier (distributed_c10d.py:6371)", "meet (debug_collectives.py:58)", "<module> (debug_collectives.py:127)"]
+    assert main_thread_frames(FAULTHANDLER_DUMP, "debug_collectives.py") == [
+        "all_reduce (distributed_c10d.py:3913)", "train (debug_collectives.py:65)",
+        "<module> (debug_collectives.py:127)"]
+
+
+def test_torchrun_summary_keeps_the_ranks_and_masks_what_changes_every_run():
+    from helpers.debugging import torchrun_summary
+
+    output = ("noise\ntorch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n" + "=" * 60 + "\n"
+              "x.py FAILED\n" + "-" * 60 + "\nFailures:\n  <NO_OTHER_FAILURES>\n" + "-" * 60 + "\n"
+              "Root Cause (first observed failure):\n[0]:\n  time      : 2026-12-03_19:45:24\n"
+              "  host      : node17\n  rank      : 1 (local_rank: 1)\n  exitcode  : -6 (pid: 4162)\n"
+              "  error_file: <N/A>\n  traceback : Signal 6 (SIGABRT) received by PID 4162\n" + "=" * 60 +
+              "\nlater lines\n")
+    summary = torchrun_summary(output)
+    assert summary.startswith("torch.distributed") and summary.endswith("=" * 60) and "later" not in summary
+    assert "rank      : 1 (local_rank: 1)" in summary and "exitcode  : -6" in summary
+    assert not any(word in summary for word in ("node17", "4162", "19:45"))
+
+
+def test_stacks_on_signal_prints_the_hung_rank_stack_to_its_log():
+    import os
+    import signal
+    import time
+
+    from helpers import start
+    from helpers.debugging import main_thread_frames, wait_until_step, worker_pids
+
+    job = start(COLLECTIVES, nproc=2, args=["--bug", "skip-barrier", "--stacks-on-signal"], echo=False)
+    try:
+        wait_until_step(job, 3)
+        os.kill(worker_pids(job)[1], signal.SIGUSR1)
+        time.sleep(0.5)
+    finally:
+        job.stop()
+        job.folder.collect(final=True)
+    log = job.to_run().logs[1]
+    frames = main_thread_frames(log[log.index("Current thread"):], "debug_collectives.py")
+    assert frames[0].startswith("all_reduce (") and frames[-1].startswith("<module> (debug_collectives.py")

@@ -11,18 +11,24 @@ the ranks meet at a barrier, as before writing a checkpoint. One planted bug at 
   shape         rank 1's gradient has one number more (its model has one parameter more)
 Tools: --monitored   monitored_barrier instead of barrier (gloo only): rank 0 names the ranks that never came
        TORCH_DISTRIBUTED_DEBUG=DETAIL (launch(..., debug=True)): each collective is compared across ranks first
-       --flight-recorder DIR  keep a record of the last collectives; each rank dumps it to DIR/rank<N> every
-                              second and on an error
+       --flight-recorder DIR  each rank dumps torch's Flight Recorder (on by default: the last 2000
+                              collectives; TORCH_FR_BUFFER_SIZE sizes it, 0 turns it off) to DIR/rank<N>
+                              every second, on an error and at the end
+       --stacks-on-signal   faulthandler.register(SIGUSR1): `kill -USR1 <pid>` prints every thread's Python
+                              stack to this rank's stderr (replaces the course launcher's own SIGUSR1 handler)
        --timeout S   seconds a collective waits before it fails (gloo's default is 30 minutes)
 """
 import argparse
+import faulthandler
 import os
+import signal
 import threading
 import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from helpers.distributed import init_distributed
 from helpers.reporting import report, result
@@ -38,6 +44,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--checkpoint-every", type=int, default=3)
     parser.add_argument("--monitored", action="store_true")
     parser.add_argument("--flight-recorder", default=None)
+    parser.add_argument("--stacks-on-signal", action="store_true")
     parser.add_argument("--timeout", type=float, default=60.0)
     return parser.parse_args()
 
@@ -91,13 +98,14 @@ def keep_dumping(folder: str, rank: int, seconds: float = 1.0) -> None:
     threading.Thread(target=loop, daemon=True).start()
 
 
+@record  # a failure's traceback goes into torchrun's error file, and so into its summary
 def main() -> None:
     args = parse_args()
     # torch reads TORCH_DISTRIBUTED_DEBUG once, when torch.distributed is imported; a worker forked from a
     # process that imported it before the variable was set (the notebook's launch server) must read it again
     dist.set_debug_level_from_env()
-    if args.flight_recorder:  # must be set before the process group is created
-        os.environ["TORCH_FR_BUFFER_SIZE"] = "100"
+    if args.stacks_on_signal:  # the two lines to put at the top of any training script
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     rank, world_size, _ = init_distributed(timeout=timedelta(seconds=args.timeout))
     if args.flight_recorder:
         keep_dumping(args.flight_recorder, rank)
@@ -109,6 +117,8 @@ def main() -> None:
         if args.flight_recorder:
             dump_flight_record(args.flight_recorder, rank)  # the last word: everything up to the error
         raise
+    if args.flight_recorder:
+        dump_flight_record(args.flight_recorder, rank)
     result(steps=steps, samples=samples)
     dist.destroy_process_group()
 
