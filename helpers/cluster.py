@@ -95,13 +95,33 @@ def torchrun_command(script: str, size: JobSize, endpoint: str, job_id: str,
 # ---------------------------------------------------------------------------- SLURM
 
 def slurm_script(script: str, size: JobSize, args: tuple | list = (), job_name: str = "ddp-train",
-                 time_limit: str = "01:00:00") -> str:
+                 time_limit: str = "01:00:00", workdir: str | Path | None = None, setup: str | None = None,
+                 output: str = "%x-%j.out", port: int = RENDEZVOUS_PORT) -> str:
     """A batch script for `sbatch`: one torchrun agent per node (srun), agents meet at the first node.
+
+    It runs as written from any folder: `#SBATCH --chdir` moves the job into `workdir` (default: this repository,
+    which on a cluster lives on the shared filesystem that every node mounts), so the relative `script` and any
+    relative path in `args` (a checkpoint) resolve there, on every node. `setup` is the shell line that puts
+    torchrun and the `helpers` package on PATH on each node (default: activate the virtual environment this
+    Python runs in; on a cluster, a `module load` or a container line goes here). `output` is relative to
+    `workdir` unless absolute; its folder must exist when the job starts (Slurm opens it before the script runs).
 
     Since Slurm 22.05, srun no longer inherits --cpus-per-task from the allocation: without passing it on,
     each agent (and so all of its workers) would get the step default of one CPU per task.
     """
-    command = torchrun_command(script, size, f"$HEAD_NODE:{RENDEZVOUS_PORT}", "$SLURM_JOB_ID", args)
+    import sys
+
+    from helpers import REPO_ROOT
+
+    workdir = Path(workdir or REPO_ROOT).resolve()
+    if setup is None:
+        setup = "# no virtual environment here: torchrun and helpers must already be on PATH on every node"
+        if sys.prefix != sys.base_prefix:  # a virtual environment; inside the repository, it moves with workdir
+            venv = Path(sys.prefix).resolve()
+            if venv.is_relative_to(REPO_ROOT.resolve()):
+                venv = workdir / venv.relative_to(REPO_ROOT.resolve())
+            setup = f"source {shlex.quote(str(venv / 'bin' / 'activate'))}"
+    command = torchrun_command(script, size, f"$HEAD_NODE:{port}", "$SLURM_JOB_ID", args)
     quoted = " ".join(word if word.startswith("--rdzv") else shlex.quote(word) for word in command)
     return "\n".join([
         "#!/bin/bash",
@@ -111,8 +131,10 @@ def slurm_script(script: str, size: JobSize, args: tuple | list = (), job_name: 
         f"#SBATCH --gpus-per-node={size.gpus_per_node}",
         f"#SBATCH --cpus-per-task={size.cpus_per_process * size.gpus_per_node}",
         f"#SBATCH --time={time_limit}",
-        "#SBATCH --output=%x-%j.out",
+        f"#SBATCH --chdir={workdir}",
+        f"#SBATCH --output={output}",
         "set -euo pipefail",
+        setup,
         'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         f"export OMP_NUM_THREADS={size.cpus_per_process}",
         f"srun --cpus-per-task=$SLURM_CPUS_PER_TASK {quoted}",
@@ -121,14 +143,17 @@ def slurm_script(script: str, size: JobSize, args: tuple | list = (), job_name: 
 
 
 def check_slurm_script(text: str) -> list[str]:
-    """Parse the script as bash, SLURM and torchrun would; return the torchrun arguments it passes.
+    """Parse the script with `bash -n` and torchrun's own parser; return the torchrun arguments it passes.
+
+    The `#SBATCH` lines are only compared with the options `slurm_script` writes (no Slurm tool is needed here);
+    tests/test_slurm.py submits the generated script to a real one-host Slurm with `sbatch`.
 
     Also checks the arithmetic: one torchrun process per allocated GPU; srun passes --cpus-per-task on to the
     agent, and the threads of all of a node's workers (OMP_NUM_THREADS x --nproc-per-node) fit in it.
     """
     from torch.distributed.run import get_args_parser
 
-    known = {"job-name", "nodes", "ntasks-per-node", "gpus-per-node", "cpus-per-task", "time", "output"}
+    known = {"job-name", "nodes", "ntasks-per-node", "gpus-per-node", "cpus-per-task", "time", "chdir", "output"}
     sbatch = {}
     for line in text.splitlines():
         if line.startswith("#SBATCH"):
@@ -438,7 +463,8 @@ def write_job_files(folder: str | Path, script: str, size: JobSize, args: tuple 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     plain = indexed_job(name, image, script, size, args)
-    texts = {"Dockerfile": dockerfile(), "job.sbatch": slurm_script(script, size, args, job_name=name),
+    batch = slurm_script(script, size, args, job_name=name, output=str(folder.resolve() / "%x-%j.out"))
+    texts = {"Dockerfile": dockerfile(), "job.sbatch": batch,
              "pytorchjob.yaml": yaml.safe_dump(pytorch_job(name, image, script, size, args), sort_keys=False),
              "trainjob.yaml": yaml.safe_dump(train_job(name, image, script, size, args), sort_keys=False),
              "indexed-job.yaml": yaml.safe_dump_all([plain["service"], plain["job"]], sort_keys=False),
