@@ -12,7 +12,8 @@ Taught in lesson 06. Every generator returns plain text or plain dicts (YAML-rea
 torchrun with a c10d rendezvous hosted by pod 0 and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (pod_command: restarted
 workers get a fresh store, pytorch/pytorch#135712), mount /dev/shm in memory and a ReadWriteMany claim
 (checkpoint_claim); a worker given `--backend nccl` refuses to start without CUDA. The checks use real
-parsers and the projects' own models: torchrun's argument parser and `bash -n` for SLURM; the `kubernetes`
+parsers and the projects' own models: torchrun's argument parser and `bash -n` for SLURM (and, in the tests, a
+real one-host Slurm 22.05 that runs the script with `sbatch`); the `kubernetes`
 client's models (generated from the API's OpenAPI spec) for core resources; `kubeflow.training.models` for
 PyTorchJob and `kubeflow_trainer_api.models` for TrainJob. A round trip through the model and back catches
 misspelled fields, which the models would otherwise drop silently.
@@ -137,6 +138,7 @@ def slurm_script(script: str, size: JobSize, args: tuple | list = (), job_name: 
         setup,
         'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         f"export OMP_NUM_THREADS={size.cpus_per_process}",
+        f"export {SHARE_STORE_OPT_OUT['name']}={SHARE_STORE_OPT_OUT['value']}",
         f"srun --cpus-per-task=$SLURM_CPUS_PER_TASK {quoted}",
         "",
     ])
@@ -454,16 +456,19 @@ def indexed_job(name: str, image: str, script: str, size: JobSize, args: tuple |
 
 
 def write_job_files(folder: str | Path, script: str, size: JobSize, args: tuple | list = (),
-                    name: str = "ddp-train", image: str | None = None) -> list[Path]:
+                    name: str = "ddp-train", image: str | None = None,
+                    slurm_args: tuple | list | None = None) -> list[Path]:
     """Write the Dockerfile, the SLURM script, every manifest and the checkpoint claim into `folder`; return
-    their paths."""
+    their paths. `slurm_args` replaces `args` in the SLURM script (a checkpoint path on the shared filesystem
+    rather than the pods' mount); the script runs in this repository (slurm_script's `workdir`)."""
     import yaml
 
     image = image or image_name()
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     plain = indexed_job(name, image, script, size, args)
-    batch = slurm_script(script, size, args, job_name=name, output=str(folder.resolve() / "%x-%j.out"))
+    batch = slurm_script(script, size, args if slurm_args is None else slurm_args, job_name=name,
+                         output=str(folder.resolve() / "%x-%j.out"))
     texts = {"Dockerfile": dockerfile(), "job.sbatch": batch,
              "pytorchjob.yaml": yaml.safe_dump(pytorch_job(name, image, script, size, args), sort_keys=False),
              "trainjob.yaml": yaml.safe_dump(train_job(name, image, script, size, args), sort_keys=False),
