@@ -11,6 +11,7 @@ Protocol (JSON lines): the kernel writes ``{"spec": {...}}`` on stdin; the serve
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import select
@@ -99,6 +100,11 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the kernel handles interrupts and tells us
     _preload()
     import helpers.launcher.agent  # noqa: F401
+
+    # Every object so far (torch's modules, mostly) goes to the collector's permanent generation. Otherwise
+    # the first full collection in each forked agent and worker writes to the header of every one of them,
+    # and copy-on-write turns about 80 MiB of pages shared with this process into private copies, per process.
+    gc.freeze()
 
     _send({"ready": os.getpid()})
     buffer = b""
