@@ -133,6 +133,11 @@ def test_every_lesson_in_the_student_copy_has_a_check_that_says_not_yet_on_the_s
         assert any(text.startswith("Not yet: ") for text in said), f"{name}: no check says Not yet: {said}"
 
 
+def test_the_student_copy_leaves_out_nbvals_settings(student_copy):
+    assert (workshop.ROOT / "notebooks" / "sanitize.cfg").exists()
+    assert not (student_copy / "notebooks" / "sanitize.cfg").exists()
+
+
 def test_the_student_copy_shows_no_test_harness_markers(student_copy):
     # nbval reads cell tags (nbval-ignore-output, raises-exception); a "# NBVAL_..." comment is text a learner reads
     marked = [(name, index) for name, notebook in _notebooks(student_copy).items()
