@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.profiler import ProfilerActivity, profile
 
 from helpers.distributed import init_distributed
 from helpers.models import mlp
@@ -72,8 +73,6 @@ REDUCER_COPIES = ("torch::distributed::reducer::mul_out", "torch::distributed::r
 def bucket_view_copies(device: torch.device, set_to_none: bool, images: torch.Tensor, labels: torch.Tensor) -> dict:
     """gradient_as_bucket_view=True, zeroing with `set_to_none`: after 3 steps, profile one backward and count the
     reducer's gradient-to-bucket copies (its record_function names, REDUCER_COPIES) and the gradients' storages."""
-    from torch.profiler import profile
-
     torch.manual_seed(0)
     model = DDP(mlp(256, 14).to(device), gradient_as_bucket_view=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -81,7 +80,7 @@ def bucket_view_copies(device: torch.device, set_to_none: bool, images: torch.Te
         optimizer.zero_grad(set_to_none=set_to_none)
         loss = torch.nn.functional.cross_entropy(model(images), labels)
         if step == 3:
-            with profile() as prof:
+            with profile(activities=[ProfilerActivity.CPU]) as prof:  # the reducer's copies are CPU-side records
                 loss.backward()
             copies = sum(event.name in REDUCER_COPIES for event in prof.events())
         else:
