@@ -142,6 +142,17 @@ def test_overlap_worker_returns_profiled_steps_with_every_kind_of_event() -> Non
         assert 0 <= overlap(events)["fraction"] <= 1
 
 
+def test_options_worker_counts_the_reducers_copies_for_both_ways_of_zeroing() -> None:
+    """gradient_as_bucket_view: the gradients end in the buckets with set_to_none True and False, and the reducer
+    copies every gradient only with True; a copy count of zero both ways would mean the profiler records nothing."""
+    run = launch(WORKERS / "dp_vs_ddp_options.py", nproc=2, args=["--steps", "3", "--per-rank-batch", "4"], echo=False)
+    res = run.results[0]
+    zeroing = {row["set_to_none"]: row for row in res["bucket_view_zeroing"]}
+    buckets = res["gradient_as_bucket_view"]["buckets"]
+    assert zeroing[True]["grad_storages"] == zeroing[False]["grad_storages"] == buckets
+    assert zeroing[False]["reducer_copies"] == 0 < zeroing[True]["reducer_copies"] == zeroing[True]["parameters"]
+
+
 def test_naive_data_parallel_builds_its_replicas_with_torchs_replicate(monkeypatch) -> None:
     """The replicate step of our rebuild is torch.nn.parallel.replicate itself (only its device copy is ours)."""
     calls = []

@@ -4,8 +4,12 @@
 
 For each setting: median milliseconds per step (of `--steps` in total, the first two not timed), DDP's
 buckets, and how many separate gradient buffers exist (gradient_as_bucket_view makes each .grad a view
-into DDP's bucket, so gradients are not stored twice; the steps zero the gradients with set_to_none=False,
-without which the views do not survive a step). Last, a model with a branch it never uses, without
+into DDP's bucket, so gradients are not stored twice). The timed steps zero the gradients with
+set_to_none=False. gradient_as_bucket_view is then run again with set_to_none=False and with set_to_none=True,
+profiling one backward: the gradients end in the buckets either way (the reducer re-points a fresh .grad at its
+bucket view), but only with set_to_none=False does the reducer skip copying each gradient into its bucket
+(Reducer::mark_variable_ready_dense, reducer.cpp: "If grad has already been set as views of buckets in previous
+iterations, no copy is needed"). Last, a model with a branch it never uses, without
 find_unused_parameters: DDP waits for gradients that never come and says so on the next iteration; and a
 model with a frozen layer, which needs no find_unused_parameters: DDP never registers it.
 gloo on CPU, nccl on GPUs.
@@ -17,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.profiler import ProfilerActivity, profile
 
 from helpers.distributed import init_distributed
 from helpers.models import mlp
@@ -47,9 +52,11 @@ def median_step_ms(model: DDP, images: torch.Tensor, labels: torch.Tensor, steps
     seconds = []
     for _ in range(steps):
         start = time.perf_counter()
-        # set_to_none=False keeps the .grad tensors, so bucket views stay views. With set_to_none=True (the default)
-        # the view is dropped every step and the next gradient is copied into the bucket again
-        # (DistributedDataParallel's docstring, batched_grad_copy, torch/nn/parallel/distributed.py:782-792).
+        # set_to_none=False keeps the .grad tensors, so with gradient_as_bucket_view the next backward accumulates
+        # straight into the bucket views. With set_to_none=True (the default) .grad is None, autograd makes a fresh
+        # gradient, and the reducer copies it into the bucket and re-points .grad at the bucket view: the memory
+        # is saved either way, the copy only with set_to_none=False (Reducer::mark_variable_ready_dense in
+        # reducer.cpp; the batched_grad_copy entry of DDP's docstring, torch/nn/parallel/distributed.py:782-791).
         optimizer.zero_grad(set_to_none=False)
         torch.nn.functional.cross_entropy(model(images), labels).backward()
         optimizer.step()
@@ -58,6 +65,30 @@ def median_step_ms(model: DDP, images: torch.Tensor, labels: torch.Tensor, steps
         seconds.append(time.perf_counter() - start)
     timed = sorted(seconds[2:])
     return 1000 * timed[len(timed) // 2]
+
+
+REDUCER_COPIES = ("torch::distributed::reducer::mul_out", "torch::distributed::reducer::copy_")
+
+
+def bucket_view_copies(device: torch.device, set_to_none: bool, images: torch.Tensor, labels: torch.Tensor) -> dict:
+    """gradient_as_bucket_view=True, zeroing with `set_to_none`: after 3 steps, profile one backward and count the
+    reducer's gradient-to-bucket copies (its record_function names, REDUCER_COPIES) and the gradients' storages."""
+    torch.manual_seed(0)
+    model = DDP(mlp(256, 14).to(device), gradient_as_bucket_view=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(4):
+        optimizer.zero_grad(set_to_none=set_to_none)
+        loss = torch.nn.functional.cross_entropy(model(images), labels)
+        if step == 3:
+            with profile(activities=[ProfilerActivity.CPU]) as prof:  # the reducer's copies are CPU-side records
+                loss.backward()
+            copies = sum(event.name in REDUCER_COPIES for event in prof.events())
+        else:
+            loss.backward()
+        optimizer.step()
+    grads = [p.grad for p in model.parameters()]
+    return {"set_to_none": set_to_none, "parameters": len(grads), "reducer_copies": copies,
+            "grad_storages": len({g.untyped_storage().data_ptr() for g in grads})}
 
 
 def unused_branch_error(device: torch.device) -> str:
@@ -108,6 +139,7 @@ def main() -> None:
                          "grad_mib": round(grad_mib, 2), "buckets": len(buckets.split(", ")) if buckets else 0}})
         if rank == 0:
             print(f"{name}: {step_ms:.1f} ms per step, gradients in {storages} buffers")
+    result(bucket_view_zeroing=[bucket_view_copies(device, stn, images, labels) for stn in (False, True)])
     result(unused_error=unused_branch_error(device), frozen_head=frozen_head(device))
     dist.destroy_process_group()
 
