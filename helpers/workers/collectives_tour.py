@@ -4,7 +4,8 @@
 
 Rank r starts from [10r+1, 10r+2, ...] so that every number says which rank it came from.
 Works with any number of processes, on CPU (gloo) or GPUs (nccl). Under helpers.launch each rank
-hands back {operation: {"before": [...], "after": [...]}}, the barrier's arrival/leave times,
+hands back {operation: {"before": [...], "after": [...]}} (for gather also "input after": the tensor a
+rank sent, read after the call), the barrier's arrival/leave times,
 what the non-blocking (async_op=True) all_reduce's work handle said, and the backend's name.
 Every rank makes the same calls in the same order with matching shapes: the first rule of collectives.
 """
