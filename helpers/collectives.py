@@ -172,15 +172,17 @@ def format_bytes(size: float) -> str:
     raise AssertionError("unreachable")
 
 
-# a call of any collective that moves data: all_gather_by_hand( and tensor.gather( do not match
+# a call of any collective that moves data, or of the object-pickling send/recv (the exercise wants tensor
+# send/recv/isend/irecv): all_gather_by_hand( and tensor.gather( do not match
 _COLLECTIVE_CALL = re.compile(
     r"(?<![\w.])(?:(?:torch\.)?(?:dist|distributed)\.)?"
-    r"(all_gather(?:_into_tensor|_object)?|all_reduce|broadcast(?:_object_list)?|reduce(?:_scatter(?:_tensor)?)?|"
-    r"all_to_all(?:_single)?|gather(?:_object)?|scatter(?:_object_list)?)\s*\(")
+    r"(all_gather(?:_into_tensor|_single|_object)?|all_reduce|broadcast(?:_object_list)?|"
+    r"reduce(?:_scatter(?:_tensor|_single)?)?|all_to_all(?:_single)?|gather(?:_object)?|scatter(?:_object_list)?|"
+    r"send_object_list|recv_object_list)\s*\(")
 # `from torch.distributed import all_gather as ag` hides the call's name: the import itself is refused
 _COLLECTIVE_IMPORT = re.compile(
     r"from\s+torch\.distributed\s+import\s+[^\n]*?\b(all_gather\w*|all_reduce|broadcast\w*|reduce\w*|"
-    r"all_to_all\w*|gather\w*|scatter\w*)\b")
+    r"all_to_all\w*|gather\w*|scatter\w*|send_object_list|recv_object_list)\b")
 
 
 def check_all_gather(script: str | Path, nproc: int = 3, timeout: float = 60) -> bool:
@@ -193,7 +195,7 @@ def check_all_gather(script: str | Path, nproc: int = 3, timeout: float = 60) ->
     called = _COLLECTIVE_CALL.search(source) or _COLLECTIVE_IMPORT.search(source)
     if called:  # a broadcast per rank, or an all_reduce of padded tensors, also gives the right answer
         return not_yet(f"build it from send/recv (or isend/irecv), without calling dist.{called.group(1)} "
-                       "or any other collective.")
+                       "or any other collective (the exercise allows send, recv, isend and irecv only).")
     try:
         run = launch(script, nproc=nproc, echo=False, timeout=timeout)
     except LaunchTimeout as error:

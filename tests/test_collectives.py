@@ -96,6 +96,29 @@ def test_exercise_check_names_the_unfilled_own_slot_and_refuses_an_imported_coll
     assert "without calling dist.all_gather" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("name", [
+    "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object", "all_reduce", "broadcast",
+    "broadcast_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
+    "all_to_all", "all_to_all_single", "gather", "gather_object", "scatter", "scatter_object_list",
+    "send_object_list", "recv_object_list"])
+def test_exercise_check_refuses_every_collective_by_name(tmp_path, capsys, name):
+    """Each of these gives the right answer without point-to-point tensors; the check refuses it before launching."""
+    for source in (f"import torch.distributed as dist\ndist.{name}(a, b)\n", f"{name} (a, b)\n",
+                   f"from torch.distributed import {name} as x\n"):
+        script = tmp_path / "uses_a_collective.py"
+        script.write_text(source)
+        assert not check_all_gather(script)
+        assert f"without calling dist.{name} " in capsys.readouterr().out
+
+
+def test_exercise_check_does_not_refuse_names_that_only_contain_a_collective(tmp_path, capsys):
+    script = tmp_path / "by_hand.py"
+    script.write_text("def all_gather_by_hand(t):\n    return t.gather(0, t)\nall_gather_by_hand(1)\n")
+    from helpers.collectives import _COLLECTIVE_CALL, _COLLECTIVE_IMPORT
+    source = script.read_text()
+    assert not _COLLECTIVE_CALL.search(source) and not _COLLECTIVE_IMPORT.search(source)
+
+
 def test_tour_on_three_ranks_keeps_subgroups_and_averages_apart():
     """The lesson runs the tour on 4 ranks; 3 gives halves of unequal size ([0, 1] and [2])."""
     run = launch(WORKERS / "collectives_tour.py", nproc=3, echo=False)

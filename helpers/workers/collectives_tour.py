@@ -4,7 +4,8 @@
 
 Rank r starts from [10r+1, 10r+2, ...] so that every number says which rank it came from.
 Works with any number of processes, on CPU (gloo) or GPUs (nccl). Under helpers.launch each rank
-hands back {operation: {"before": [...], "after": [...]}}, the barrier's arrival/leave times,
+hands back {operation: {"before": [...], "after": [...]}} (for gather also "input after": the tensor a
+rank sent, read after the call), the barrier's arrival/leave times,
 what the non-blocking (async_op=True) all_reduce's work handle said, and the backend's name.
 Every rank makes the same calls in the same order with matching shapes: the first rule of collectives.
 """
@@ -94,11 +95,14 @@ def main() -> None:
     dist.scatter(piece, list(tensor.chunk(world_size)) if rank == 0 else None, src=0)
     record("scatter", tensor if rank == 0 else None, piece)
 
-    # gather: every rank's tensor lands on rank 0, in rank order; the other ranks receive nothing
+    # gather: every rank's tensor lands on rank 0, in rank order. gather_list must be given on dst and must be
+    # None (or empty) on every other rank (torch raises ValueError otherwise): those ranks have no output
     tensor = starting_tensor(rank, length, device)
+    sent = tensor.clone()
     pieces = [torch.empty_like(tensor) for _ in range(world_size)] if rank == 0 else None
     dist.gather(tensor, pieces, dst=0)
-    record("gather", tensor, torch.cat(pieces) if rank == 0 else None)
+    record("gather", sent, torch.cat(pieces) if rank == 0 else None)
+    seen["gather"]["input after"] = tensor.cpu().tolist()  # a rank's input tensor after it was sent
 
     # all_to_all: rank r sends its chunk j to rank j and receives chunk r of every rank (a transpose)
     tensor = starting_tensor(rank, length, device)
