@@ -122,9 +122,10 @@ class _Sleep(torch.autograd.Function):
 class SimulatedWork(nn.Module):
     """Adds `ms_per_sample` x batch milliseconds to a stage's forward and to its backward (none if 0).
 
-    On a 2-core CPU a stage of a small MLP computes a micro-batch in about the time a `gloo` message takes,
-    so the pipeline's idle time would be mostly messaging. Sleeping makes the stage time known and lets two
-    processes share two busy cores without slowing each other.
+    On a 2-core CPU a stage of a small MLP computes a micro-batch in about a millisecond, and the time a
+    pipeline step spends outside the stages' compute (hand-overs, waiting for a core, the schedule's Python)
+    varies with the load and can be as large; lesson 07 section 4 prints both. Sleeping makes the stage time
+    known and lets two processes share two busy cores without slowing each other.
     """
 
     def __init__(self, ms_per_sample: float) -> None:

@@ -150,7 +150,11 @@ def started_before_input(events: Sequence[dict[str, Any]]) -> list[str]:
 
 
 def idle_fraction(events: Sequence[dict[str, Any]]) -> float:
-    """Share of (ranks x step time) in which no rank computes; events are {rank, kind, start, end}."""
+    """Share of rank-time idle: 1 - (time the ranks spent computing) / (step span x ranks).
+
+    Events are {rank, kind, start, end}. A rank-second counts as idle when that rank is not computing, whatever
+    the other ranks do (it is not the share of the step in which no rank computes).
+    """
     begin = min(e["start"] for e in events)
     span = max(e["end"] for e in events) - begin
     ranks = {e["rank"] for e in events}

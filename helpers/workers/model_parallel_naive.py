@@ -7,6 +7,8 @@ Rank r runs layers r of `split_stages(mlp(...), world_size)`. It receives its in
 with gradients. Only one rank computes at any moment: the others wait. `--stage-ms` adds a fixed
 compute time to each stage (as in model_parallel_pipeline.py). Every rank also keeps an unsplit copy
 of the model to check that the split loss and gradients are the same. Works with one process.
+The timeline is read on the CPU (clocks at autograd marks): on gloo/CPU that is when a stage computes; on
+nccl/CUDA it is when the CPU queued the work (time GPU stages with CUDA events instead).
 """
 import argparse
 
@@ -72,7 +74,8 @@ def main() -> None:
     grad_diff = max_abs_diff([p.grad for p in layers.parameters()],
                              [p.grad for p in split_stages(unsplit, world_size)[rank].parameters()])
     loss_diff = abs(loss.item() - unsplit_loss.item()) if last else None
-    result(events=events, grad_diff=grad_diff, loss_diff=loss_diff, loss=loss.item() if last else None)
+    result(events=events, grad_diff=grad_diff, loss_diff=loss_diff, loss=loss.item() if last else None,
+           backend=dist.get_backend())
     dist.destroy_process_group()
 
 

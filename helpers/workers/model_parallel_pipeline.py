@@ -13,7 +13,12 @@ only. Every rank records when its stage computes (wall clock, and this thread's 
 interval) and how many bytes of activations it holds at most. Of the steps after a warm-up it keeps the
 fastest (the one whose slowest rank finished soonest), so that a moment when the machine is busy elsewhere
 does not count: a choice that makes the idle time the lowest of the recorded steps, not their average.
-It also checks loss and gradients against the unsplit model. Works with one process (a one-stage pipeline).
+It also checks loss and gradients against the unsplit model, and ends with two controls on the hand-over
+between ranks: a bare send/recv ping-pong, and a send whose receiver sleeps 50 ms before it receives.
+Works with one process (a one-stage pipeline).
+The timelines are read on the CPU (wall and thread clocks at autograd marks). On gloo/CPU that is when the
+stage computes; on nccl/CUDA it is when the CPU queued the kernels and the messages, so time GPU stages with
+CUDA events (torch.cuda.Event(enable_timing=True)) or torch.cuda.synchronize() instead.
 """
 import argparse
 import statistics
@@ -59,6 +64,28 @@ def message_seconds(shape: tuple[int, ...], device: torch.device, rounds: int = 
             dist.send(buffer, dst=0)
         trips.append(time.perf_counter() - start)
     return statistics.median(trips[2:]) / 2
+
+
+def send_while_receiver_sleeps(shape: tuple[int, ...], device: torch.device, sleep_s: float = 0.05) -> float | None:
+    """Seconds rank 0's dist.send of `shape` floats takes while rank 1 sleeps `sleep_s` before its dist.recv.
+
+    A control for what a send waits for: about `sleep_s` if the send returns only once the receiver has posted
+    its receive, about the ping-pong's one-way time if it returns as soon as the data is handed to the
+    transport. None with one process.
+    """
+    if dist.get_world_size() < 2:
+        return None
+    dist.barrier()  # both start together, so rank 1's sleep begins as rank 0 sends
+    if dist.get_rank() > 1:
+        return None
+    buffer = torch.zeros(shape, device=device)
+    if dist.get_rank() == 0:
+        start = time.perf_counter()
+        dist.send(buffer, dst=1)
+        return time.perf_counter() - start
+    time.sleep(sleep_s)
+    dist.recv(buffer, src=0)
+    return None
 
 
 def main() -> None:
@@ -128,8 +155,9 @@ def main() -> None:
         progress(done + 1, total=len(configs))
     # The smallest micro-batch's activation: [global batch / largest m, width] floats.
     message = message_seconds((args.global_batch // max(args.microbatches), args.width), device)
+    send_wait = send_while_receiver_sleeps((args.global_batch // max(args.microbatches), args.width), device)
     result(timelines=timelines, checks=checks, activations=activations, loss=unsplit_loss.item(),
-           message_seconds=message)
+           message_seconds=message, send_while_receiver_sleeps=send_wait, backend=dist.get_backend())
     dist.destroy_process_group()
 
 
