@@ -240,8 +240,8 @@ def onednn_convolutions(model: nn.Module, images: torch.Tensor, labels: torch.Te
                         dtype: torch.dtype) -> list[dict[str, str | float]]:
     """The oneDNN convolution primitives one autocast training step ran, and the implementation oneDNN chose.
 
-    Turns on oneDNN's verbose mode (torch.backends.mkldnn.verbose) for one step, after a warm-up step, and
-    reads the lines it prints to the process's stdout (file descriptor 1, captured here). Each row: the pass
+    Turns on oneDNN's verbose mode (torch.backends.mkldnn.verbose) for one step and reads the "exec" lines it
+    prints to the process's stdout (file descriptor 1, captured here). Each row: the pass
     ("forward_training", "backward_data", "backward_weights"), the implementation (a JIT kernel such as
     "brg_conv_fwd:avx10_1_512", or "ref:any", oneDNN's reference C++ loops) and oneDNN's own time in ms.
     An empty list means torch did not call oneDNN for the convolutions in this dtype."""
@@ -250,13 +250,6 @@ def onednn_convolutions(model: nn.Module, images: torch.Tensor, labels: torch.Te
     import sys
     import tempfile
 
-    def step() -> None:
-        model.zero_grad()
-        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
-            loss = F.cross_entropy(model(images), labels)
-        loss.backward()
-
-    step()  # warm-up: oneDNN creates its primitives on first use
     libc = ctypes.CDLL(None)
     sys.stdout.flush()
     saved = os.dup(1)
@@ -264,7 +257,9 @@ def onednn_convolutions(model: nn.Module, images: torch.Tensor, labels: torch.Te
         os.dup2(captured.fileno(), 1)
         try:
             with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
-                step()
+                with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+                    loss = F.cross_entropy(model(images), labels)
+                loss.backward()
             libc.fflush(None)
         finally:
             os.dup2(saved, 1)

@@ -11,6 +11,7 @@ from helpers.amp import (
     check_amp_train_step,
     format_facts,
     layer_dtypes,
+    onednn_convolutions,
     op_dtypes,
     parameter_casts,
     underflow_fraction,
@@ -106,3 +107,14 @@ def test_op_dtypes_separates_autocast_promote_from_type_promotion() -> None:
     dtypes = op_dtypes()
     assert dtypes["cat [lowered, fp32] (autocast: promote)"] == "torch.float32"
     assert dtypes["add lowered + fp32 (ordinary promotion)"] == "torch.float32"
+
+
+def test_onednn_convolutions_reads_the_verbose_lines() -> None:
+    from helpers.models import SmallCNN
+
+    if not torch.backends.mkldnn.is_available():
+        return
+    torch.manual_seed(0)
+    rows = onednn_convolutions(SmallCNN(), torch.rand(4, 1, 28, 28), torch.randint(0, 10, (4,)), torch.float32)
+    assert {row["pass"] for row in rows} == {"forward_training", "backward_data", "backward_weights"}
+    assert all(row["implementation"] and row["ms"] >= 0 for row in rows)
