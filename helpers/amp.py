@@ -162,7 +162,8 @@ def op_dtypes(device_type: str = "cpu", dtype: torch.dtype = torch.bfloat16) -> 
             "layer_norm": F.layer_norm(low, (8,)),
             "mse_loss": F.mse_loss(low, b),
             "cross_entropy": F.cross_entropy(low, targets),
-            "add lowered + fp32 (type promotion)": low + a,
+            "cat [lowered, fp32] (autocast: promote)": torch.cat((low, a)),
+            "add lowered + fp32 (ordinary promotion)": low + a,
         }
     return {name: str(out.dtype) for name, out in ops.items()}
 
@@ -197,22 +198,32 @@ def cast_bytes_alive(model: nn.Module, images: torch.Tensor, dtype: torch.dtype 
     cache, aten/src/ATen/autocast_mode.cpp `cached_cast`, and what autograd saved of them), and sums the bytes
     of those still alive: at the end of the forward pass inside the context, after the context exits
     (torch.clear_autocast_cache() in autocast.__exit__, torch/amp/autocast_mode.py), and after backward."""
+    count = sum(p.numel() for p in model.parameters())
+    return {moment: sum(alive.values()) / count for moment, alive in cast_names_alive(model, images, dtype).items()}
+
+
+def cast_names_alive(model: nn.Module, images: torch.Tensor,
+                     dtype: torch.dtype = torch.bfloat16) -> dict[str, dict[str, int]]:
+    """Like cast_bytes_alive, per parameter: {moment: {parameter name: bytes of its 16-bit casts still alive}}."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    casts: list[weakref.ref] = []
+    names = {id(p): name for name, p in model.named_parameters()}
+    casts: list[tuple[str, weakref.ref]] = []
 
     class KeepParameterCasts(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             if func is torch.ops.aten._to_copy.default and isinstance(args[0], nn.Parameter):
-                casts.append(weakref.ref(out))
+                casts.append((names.get(id(args[0]), "?"), weakref.ref(out)))
             return out
 
-    count = sum(p.numel() for p in model.parameters())
-
-    def alive() -> float:
+    def alive() -> dict[str, int]:
         gc.collect()
-        return sum(t.untyped_storage().nbytes() for ref in casts if (t := ref()) is not None) / count
+        held: dict[str, int] = {}
+        for name, ref in casts:
+            if (t := ref()) is not None:
+                held[name] = held.get(name, 0) + t.untyped_storage().nbytes()
+        return held
 
     seen = {}
     with KeepParameterCasts():
@@ -223,6 +234,44 @@ def cast_bytes_alive(model: nn.Module, images: torch.Tensor, dtype: torch.dtype 
         loss.backward()
         seen["after backward"] = alive()
     return seen
+
+
+def onednn_convolutions(model: nn.Module, images: torch.Tensor, labels: torch.Tensor,
+                        dtype: torch.dtype) -> list[dict[str, str | float]]:
+    """The oneDNN convolution primitives one autocast training step ran, and the implementation oneDNN chose.
+
+    Turns on oneDNN's verbose mode (torch.backends.mkldnn.verbose) for one step and reads the "exec" lines it
+    prints to the process's stdout (file descriptor 1, captured here). Each row: the pass
+    ("forward_training", "backward_data", "backward_weights"), the implementation (a JIT kernel such as
+    "brg_conv_fwd:avx10_1_512", or "ref:any", oneDNN's reference C++ loops) and oneDNN's own time in ms.
+    An empty list means torch did not call oneDNN for the convolutions in this dtype."""
+    import ctypes
+    import os
+    import sys
+    import tempfile
+
+    libc = ctypes.CDLL(None)
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with tempfile.TemporaryFile(mode="w+b") as captured:
+        os.dup2(captured.fileno(), 1)
+        try:
+            with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
+                with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+                    loss = F.cross_entropy(model(images), labels)
+                loss.backward()
+            libc.fflush(None)
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+        captured.seek(0)
+        lines = captured.read().decode(errors="replace").splitlines()
+    rows = []
+    for line in lines:
+        fields = line.split(",")
+        if len(fields) > 7 and fields[2:4] == ["primitive", "exec"] and fields[5] == "convolution":
+            rows.append({"pass": fields[7], "implementation": fields[6], "ms": float(fields[-1])})
+    return rows
 
 
 def bytes_per_parameter(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, float]:
@@ -291,8 +340,12 @@ def check_amp_train_step(train_step: Callable, max_norm: float = 0.1) -> bool:
         elif case == "an overflowing step" and not _same(model, before):
             found.append("weights changed although the gradients overflowed (use scaler.step(optimizer))")
         elif case == "a normal step" and not _same(model, ref_model):
-            found.append("weights differ from the correct step (call scaler.unscale_(optimizer) before"
-                         " clip_grad_norm_, so that max_norm applies to the true gradients)")
+            if found:  # no autocast, or a wrong scale, changes the weights too: no hint about clipping yet
+                found.append("weights differ from the correct step (fix the other problems first: they change"
+                             " the weights too)")
+            else:  # forward and scale are right: what is left to move the weights is clipping scaled gradients
+                found.append("weights differ from the correct step (call scaler.unscale_(optimizer) before"
+                             " clip_grad_norm_, so that max_norm applies to the true gradients)")
         for problem in found:
             problems.setdefault(problem, []).append(case)
     if problems:

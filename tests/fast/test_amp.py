@@ -7,9 +7,11 @@ from torch.nn import functional as F
 from helpers.amp import (
     bytes_per_parameter,
     cast_bytes_alive,
+    cast_names_alive,
     check_amp_train_step,
     format_facts,
     layer_dtypes,
+    onednn_convolutions,
     op_dtypes,
     parameter_casts,
     underflow_fraction,
@@ -58,6 +60,20 @@ def test_check_accepts_the_right_step_and_catches_clipping_before_unscale(capsys
     assert "unscale_" in capsys.readouterr().out
 
 
+def test_check_gives_no_clipping_hint_when_autocast_is_missing(capsys) -> None:
+    def fp32_step(model, optimizer, scaler, images, labels, max_norm):  # the exercise's starting code
+        loss = F.cross_entropy(model(images), labels)
+        optimizer.zero_grad()
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        optimizer.step()
+        return loss.item()
+
+    assert not check_amp_train_step(fp32_step)
+    out = capsys.readouterr().out
+    assert "did not run under torch.autocast" in out and "unscale_" not in out
+
+
 def test_bytes_per_parameter_with_adam_under_autocast() -> None:
     model = SimpleModel()
     optimizer = torch.optim.Adam(model.parameters())
@@ -81,3 +97,24 @@ def test_autocast_parameter_casts_live_until_backward() -> None:
     # after the context: only what backward needs (the second weight), not the first weight or the biases
     assert alive["after autocast exits"] == 2 * 64 / sum(p.numel() for p in model.parameters())
     assert alive["after backward"] == 0
+    torch.manual_seed(0)
+    names = cast_names_alive(model, torch.rand(4, 8))
+    assert sorted(names["after autocast exits"]) == ["2.weight"]
+    assert names["after backward"] == {}
+
+
+def test_op_dtypes_separates_autocast_promote_from_type_promotion() -> None:
+    dtypes = op_dtypes()
+    assert dtypes["cat [lowered, fp32] (autocast: promote)"] == "torch.float32"
+    assert dtypes["add lowered + fp32 (ordinary promotion)"] == "torch.float32"
+
+
+def test_onednn_convolutions_reads_the_verbose_lines() -> None:
+    from helpers.models import SmallCNN
+
+    if not torch.backends.mkldnn.is_available():
+        return
+    torch.manual_seed(0)
+    rows = onednn_convolutions(SmallCNN(), torch.rand(4, 1, 28, 28), torch.randint(0, 10, (4,)), torch.float32)
+    assert {row["pass"] for row in rows} == {"forward_training", "backward_data", "backward_weights"}
+    assert all(row["implementation"] and row["ms"] >= 0 for row in rows)
