@@ -196,6 +196,9 @@ def check_all_gather(script: str | Path, nproc: int = 3, timeout: float = 60) ->
     if called:  # a broadcast per rank, or an all_reduce of padded tensors, also gives the right answer
         return not_yet(f"build it from send/recv (or isend/irecv), without calling dist.{called.group(1)} "
                        "or any other collective (the exercise allows send, recv, isend and irecv only).")
+    print(f"Running {Path(script).name} on {nproc} ranks (usually a few seconds; the check gives up after "
+          f"{timeout:g} s). If nothing comes back within 10 s, press Stop (■): the launcher then says where each "
+          "rank is waiting.", flush=True)
     try:
         run = launch(script, nproc=nproc, echo=False, timeout=timeout)
     except LaunchTimeout as error:
