@@ -4,6 +4,8 @@
     TORCH_DISTRIBUTED_DEBUG=DETAIL torchrun --standalone --nproc-per-node 2 \
         helpers/workers/debug_collectives.py --bug skip-barrier --timeout 10
 
+The clinic's bugs are CPU cases: the worker asks for gloo (and CPU tensors) even where GPUs are present.
+
 Every step all-reduces a "gradient" (8 numbers) and the number of samples seen; every --checkpoint-every steps
 the ranks meet at a barrier, as before writing a checkpoint. One planted bug at a time (--bug):
   skip-barrier  rank 1 skips the barrier at the first checkpoint (it sits under `if rank == 0:` by mistake)
@@ -13,7 +15,9 @@ Tools: --monitored   monitored_barrier instead of barrier (gloo only): rank 0 na
        TORCH_DISTRIBUTED_DEBUG=DETAIL (launch(..., debug=True)): each collective is compared across ranks first
        --flight-recorder DIR  each rank dumps torch's Flight Recorder (on by default: the last 2000
                               collectives; TORCH_FR_BUFFER_SIZE sizes it, 0 turns it off) to DIR/rank<N>
-                              every second, on an error and at the end
+                              every second while it runs and at the end; when a collective raises, the
+                              dumps stop and a last one goes to DIR/after_error/rank<N>, so that DIR/rank<N>
+                              keeps the state during the hang
        --stacks-on-signal   faulthandler.register(SIGUSR1): `kill -USR1 <pid>` prints every thread's Python
                               stack to this rank's stderr (replaces the course launcher's own SIGUSR1 handler)
        --timeout S   seconds a collective waits before it fails (gloo's default is 30 minutes)
@@ -62,12 +66,14 @@ def train(args: argparse.Namespace, rank: int) -> tuple[int, float]:
     step, samples = 0, torch.zeros(1)
     for step in range(1, args.steps + 1):
         gradient = torch.full((9 if args.bug == "shape" and rank == 1 else 8,), float(rank + 1))
+        started = time.perf_counter()
         dist.all_reduce(gradient)
         count_dtype = torch.int64 if args.bug == "dtype" and rank == 1 else torch.float64
         samples = torch.tensor([args.per_rank_batch], dtype=count_dtype)
         dist.all_reduce(samples)
+        microseconds = (time.perf_counter() - started) * 1e6  # the step's two all-reduces
         print(f"step {step}: gradient[0] {gradient[0].item():g}, samples {samples.item():g}", flush=True)
-        report(step=step, gradient=gradient[0].item(), samples=samples.item())
+        report(step=step, gradient=gradient[0].item(), samples=samples.item(), microseconds=microseconds)
         if step % args.checkpoint_every == 0:
             if args.bug == "skip-barrier" and rank != 0 and step == args.checkpoint_every:
                 continue  # the planted bug: only rank 0 reaches this barrier
@@ -76,7 +82,8 @@ def train(args: argparse.Namespace, rank: int) -> tuple[int, float]:
 
 
 def dump_flight_record(folder: str, rank: int) -> None:
-    """Write this rank's Flight Recorder (torch's pickle format) to folder/rank<N>, atomically."""
+    """Write this rank's Flight Recorder (torch's pickle format) to folder/rank<N>, atomically.
+    `_dump_fr_trace` is the recorder of CPU (gloo) collectives; NCCL's is `_dump_nccl_trace`."""
     from torch._C._distributed_c10d import _dump_fr_trace
 
     os.makedirs(folder, exist_ok=True)
@@ -86,16 +93,18 @@ def dump_flight_record(folder: str, rank: int) -> None:
     os.replace(temporary, path)
 
 
-def keep_dumping(folder: str, rank: int, seconds: float = 1.0) -> None:
+def keep_dumping(folder: str, rank: int, seconds: float = 1.0) -> threading.Event:
     """Dump every `seconds` from a background thread: the rank whose collective fails second can be stopped by
     the agent before its own error arrives, and gloo dumps nothing by itself. The main thread, blocked in a
-    collective, has released the GIL, so this thread runs meanwhile."""
+    collective, has released the GIL, so this thread runs meanwhile. Setting the returned event stops it."""
+    stop = threading.Event()
+
     def loop() -> None:
-        while True:
-            time.sleep(seconds)
+        while not stop.wait(seconds):
             dump_flight_record(folder, rank)
 
     threading.Thread(target=loop, daemon=True).start()
+    return stop
 
 
 @record  # a failure's traceback goes into torchrun's error file, and so into its summary
@@ -106,16 +115,18 @@ def main() -> None:
     dist.set_debug_level_from_env()
     if args.stacks_on_signal:  # the two lines to put at the top of any training script
         faulthandler.register(signal.SIGUSR1, all_threads=True)
-    rank, world_size, _ = init_distributed(timeout=timedelta(seconds=args.timeout))
+    # gloo on every machine: the planted bugs are gloo cases (monitored_barrier, the SIGABRT on a size mismatch)
+    rank, world_size, _ = init_distributed("gloo", timeout=timedelta(seconds=args.timeout))
     if args.flight_recorder:
-        keep_dumping(args.flight_recorder, rank)
+        stop_dumping = keep_dumping(args.flight_recorder, rank)
     if args.global_batch:
         args.per_rank_batch = args.global_batch // world_size
     try:
         steps, samples = train(args, rank)
     except Exception:
-        if args.flight_recorder:
-            dump_flight_record(args.flight_recorder, rank)  # the last word: everything up to the error
+        if args.flight_recorder:  # the last word, beside the dumps taken during the hang (they stay as they were)
+            stop_dumping.set()
+            dump_flight_record(os.path.join(args.flight_recorder, "after_error"), rank)
         raise
     if args.flight_recorder:
         dump_flight_record(args.flight_recorder, rank)

@@ -80,7 +80,8 @@ def batches(args: argparse.Namespace, rank: int) -> list[tuple[torch.Tensor, tor
 def main() -> None:
     args = parse_args()
     dist.set_debug_level_from_env()  # forked workers: read TORCH_DISTRIBUTED_DEBUG again (see debug_collectives)
-    rank, world_size, _ = init_distributed(timeout=timedelta(seconds=args.timeout))
+    # gloo on every machine: the model and batches stay on the CPU (nccl serves only CUDA tensors)
+    rank, world_size, _ = init_distributed("gloo", timeout=timedelta(seconds=args.timeout))
     if args.global_batch:
         args.per_rank_batch = args.global_batch // world_size
     torch.manual_seed(0)  # the same initial weights everywhere (DDP would broadcast rank 0's anyway)

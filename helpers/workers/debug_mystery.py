@@ -43,7 +43,8 @@ def main() -> None:
     parser.add_argument("--eps", type=float, default=0.0)
     parser.add_argument("--timeout", type=float, default=30.0)
     args = parser.parse_args()
-    rank, world_size, _ = init_distributed(timeout=timedelta(seconds=args.timeout))
+    # gloo on every machine: the model and batches stay on the CPU (nccl serves only CUDA tensors)
+    rank, world_size, _ = init_distributed("gloo", timeout=timedelta(seconds=args.timeout))
     assert world_size == WORLD_SIZE, f"the mystery job runs on {WORLD_SIZE} ranks"
     torch.manual_seed(0)
     model = DDP(Classifier(args.eps))
