@@ -5,9 +5,9 @@
 
 Ours, a staged model of torchvision 0.29's MNIST(train=True, download=True), with a slow fake network:
 - MNIST.download() returns at once only when _check_exists() finds all four *extracted* files
-  (torchvision/datasets/mnist.py:168-172, 176-177);
+  (torchvision/datasets/mnist.py:168-172, 177-178);
 - otherwise it takes the four archives in order, train-images, train-labels, t10k-images,
-  t10k-labels (mnist.py:42-47, 182-186): download_url skips an archive that passes its md5 check and
+  t10k-labels (mnist.py:42-47, 182-188): download_url skips an archive that passes its md5 check and
   re-downloads one that does not, a half-written one included, opening it with "wb"
   (torchvision/datasets/utils.py:111-131, 29); then the archive is extracted, again with "wb",
   every time (utils.py:317);
@@ -16,7 +16,7 @@ So a rank that arrives while another is downloading does not skip: it downloads 
 into the same files. Here rank 1 is staged to arrive while rank 0 is writing the first archive (a
 real rank arrives whenever it does). What the two writers leave behind depends on the timing: the
 run reports what each rank wrote, whether an archive failed its check (torchvision raises
-"File not found or corrupted." and tries the next mirror, utils.py:136-137, mnist.py:187-189), and
+"File not found or corrupted." and tries the next mirror, utils.py:136-137, mnist.py:189-192), and
 whether the train files each rank read were complete.
 """
 import argparse
