@@ -3,7 +3,7 @@
     torchrun --standalone --nproc-per-node 2 helpers/workers/ddp_article_run.py --fix imports --fix gloo
 
 Each rank does what the article's mp.spawn child would do: call train(rank, world_size). The
-fixes (see helpers.ddp.ARTICLE_FIXES) are applied to the text of ddp_article_original.py, so the
+fixes (see helpers.article.ARTICLE_FIXES) are applied to the text of ddp_article_original.py, so the
 notebook can show, one fix at a time, where the tutorial breaks next.
 """
 import argparse

@@ -33,8 +33,8 @@ def parse_args() -> argparse.Namespace:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, device: torch.device) -> float:
-    """Test accuracy over the whole test set."""
+def evaluate(model: nn.Module, device: torch.device) -> tuple[float, int]:
+    """Test accuracy over the whole test set, and how many images were counted."""
     test_set, _ = load(train=False)
     correct = total = 0
     model.eval()
@@ -42,7 +42,7 @@ def evaluate(model: nn.Module, device: torch.device) -> float:
         predictions = model(images.to(device)).argmax(dim=1)
         correct, total = correct + (predictions == labels.to(device)).sum().item(), total + len(labels)
     model.train()
-    return correct / total
+    return correct / total, total
 
 
 def main() -> None:
@@ -57,7 +57,7 @@ def main() -> None:
     print(f"one process, data: {source}, global batch {args.global_batch}")
 
     total_steps = min(args.steps or args.epochs * len(loader), args.epochs * len(loader))
-    step, train_seconds, accuracy = 0, 0.0, float("nan")
+    step, train_seconds, accuracy, test_images = 0, 0.0, float("nan"), 0
     for epoch in range(args.epochs):
         started, epoch_losses = time.perf_counter(), []
         for images, labels in itertools.islice(loader, total_steps - step):
@@ -70,14 +70,14 @@ def main() -> None:
             step += 1
             progress(step, total=total_steps)
         train_seconds += time.perf_counter() - started
-        accuracy = evaluate(model, device)
+        accuracy, test_images = evaluate(model, device)
         mean_loss = sum(epoch_losses) / len(epoch_losses)  # one batch's loss is too noisy to read
         print(f"epoch {epoch}: mean training loss {mean_loss:.3f}, test accuracy {accuracy:.3f}")
         if step == total_steps:
             break
 
     result(checksum=parameter_checksum(model), steps=step, data=source, train_seconds=train_seconds,
-           accuracy=accuracy)
+           accuracy=accuracy, test_images=test_images)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Time a training step four ways in one launch: DDP with and without its all-reduce, 1 rank on 1 or 2 threads.
+"""Time a training step in one launch: DDP with and without its all-reduce, 1 rank on 1 or 2 threads, and controls.
 
     torchrun --standalone --nproc-per-node 2 helpers/workers/ddp_step_time.py --threads 1 2
 
@@ -11,6 +11,10 @@ are set with torch.set_num_threads, not inherited. Each block times --block-step
 untimed ones, and the settings take turns block by block (--repeats rounds), so that a busy moment on
 the machine hits every setting alike. While rank 0 runs alone the other ranks wait in dist.barrier(),
 and report how much CPU time they used meanwhile.
+Two controls: rank 0 alone at the per-rank batch (global batch / world size, 1 thread), which is
+what each DDP rank computes, so "2 ranks halved the work for free" is measured, not assumed; and a
+bare dist.all_reduce of as many floats as the model has parameters, on all ranks, between two
+barriers, with no training around it (what sending the gradients costs when nobody is computing).
 """
 import argparse
 import statistics
@@ -75,6 +79,25 @@ def main() -> None:
                     dist.barrier()  # ... and neither goes on while the other still trains (no hook: no meeting)
                     blocks.setdefault(f"{name}, {world_size} rank(s) x {torch.get_num_threads()} thread(s){label}",
                                      []).append(seconds)
+            if world_size > 1:  # the gradients' all-reduce alone, no training around it
+                torch.set_num_threads(1)
+                floats = torch.zeros(sum(p.numel() for p in build_model(name).parameters()))
+                dist.barrier()
+                times = []
+                for step in range(args.warmup + args.block_steps):
+                    started = time.perf_counter()
+                    dist.all_reduce(floats)
+                    if step >= args.warmup:
+                        times.append(time.perf_counter() - started)
+                dist.barrier()
+                blocks.setdefault(f"{name}, all_reduce alone, {floats.numel()} floats", []).append(
+                    statistics.median(times))
+                if rank == 0:  # rank 0 alone at the per-rank batch: what each DDP rank computes
+                    seconds = block_median(build_model(name), args.global_batch // world_size, args.block_steps,
+                                           args.warmup)
+                    blocks.setdefault(f"{name}, 1 rank(s) x 1 thread(s), batch {args.global_batch // world_size}",
+                                      []).append(seconds)
+                dist.barrier()
             for threads in args.threads:  # rank 0 alone, the whole global batch
                 if rank == 0:
                     torch.set_num_threads(threads)

@@ -7,7 +7,8 @@
 torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and a free MASTER_PORT, so nothing is
 hard-coded. The backend follows the hardware: nccl with one GPU per rank, gloo on CPU.
 --global-batch is what one optimizer step sees, all ranks together: each rank takes
-global_batch / world_size, so any number of ranks trains the same thing with the same --lr.
+global_batch / world_size, so any number of ranks that divides --global-batch trains the same thing
+with the same --lr (any other number stops with an error).
 train_seconds times the training steps only, not start-up and not the evaluation. Only rank 0 prints.
 """
 import argparse
@@ -55,8 +56,9 @@ def init_distributed() -> tuple[int, int, torch.device]:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, device: torch.device, rank: int, world_size: int) -> float:
-    """Test accuracy over the whole test set: each rank counts its share, all_reduce sums the counts."""
+def evaluate(model: nn.Module, device: torch.device, rank: int, world_size: int) -> tuple[float, int]:
+    """Test accuracy over the whole test set, and how many images were counted (all ranks together):
+    each rank counts its share, all_reduce sums the counts."""
     test_set, _ = load(train=False)
     my_share = Subset(test_set, range(rank, len(test_set), world_size))  # no padding: each image once
     counts = torch.zeros(2, device=device)  # correct, total
@@ -66,7 +68,7 @@ def evaluate(model: nn.Module, device: torch.device, rank: int, world_size: int)
         counts += torch.tensor([(predictions == labels.to(device)).sum().item(), len(labels)], device=device)
     dist.all_reduce(counts)
     model.train()
-    return (counts[0] / counts[1]).item()
+    return (counts[0] / counts[1]).item(), int(counts[1].item())
 
 
 def main() -> None:
@@ -87,7 +89,7 @@ def main() -> None:
               f"global batch {args.global_batch} = {world_size} x {per_rank_batch}")
 
     total_steps = min(args.steps or args.epochs * len(loader), args.epochs * len(loader))
-    step, train_seconds, accuracy = 0, 0.0, float("nan")
+    step, train_seconds, accuracy, test_images = 0, 0.0, float("nan"), 0
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)  # a new shuffle every epoch, the same one on every rank
         started, epoch_losses = time.perf_counter(), []
@@ -101,7 +103,7 @@ def main() -> None:
             step += 1
             progress(step, total=total_steps)
         train_seconds += time.perf_counter() - started
-        accuracy = evaluate(model, device, rank, world_size)
+        accuracy, test_images = evaluate(model, device, rank, world_size)
         if rank == 0:
             mean_loss = sum(epoch_losses) / len(epoch_losses)  # one batch's loss is too noisy to read
             print(f"epoch {epoch}: mean training loss {mean_loss:.3f} (rank 0's batches), "
@@ -110,7 +112,7 @@ def main() -> None:
             break
 
     result(checksum=parameter_checksum(model), steps=step, world_size=world_size, data=source,
-           train_seconds=train_seconds, accuracy=accuracy)
+           train_seconds=train_seconds, accuracy=accuracy, test_images=test_images)
     dist.destroy_process_group()
 
 
