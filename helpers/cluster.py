@@ -117,8 +117,8 @@ def slurm_script(script: str, size: JobSize, args: tuple | list = (), job_name: 
     Python runs in; on a cluster, a `module load` or a container line goes here). `output` is relative to
     `workdir` unless absolute; its folder must exist when the job starts (Slurm opens it before the script runs).
 
-    Since Slurm 22.05, srun no longer inherits --cpus-per-task from the allocation: without passing it on,
-    each agent (and so all of its workers) would get the step default of one CPU per task.
+    Since Slurm 22.05, srun no longer inherits --cpus-per-task from the allocation: without passing it on, each
+    task counts as needing one CPU, and task/affinity binds it (the agent and all of its workers) to that one CPU.
     """
     import sys
 
