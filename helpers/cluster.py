@@ -74,11 +74,21 @@ class JobSize:
     cpus_per_process: int = 4
     gpu_memory_mib: int | None = None  # HAMi share of one GPU's memory; None = the whole GPU
     gpu_cores_percent: int | None = None  # HAMi share of one GPU's compute; None = the whole GPU
-    max_restarts: int = 1
+    max_restarts: int = 1  # torchrun's --max-restarts: worker restarts inside one agent's life
+    backoff_limit: int | None = None  # the Kubernetes jobs' backoffLimit; None = nodes + 1 (job_backoff_limit)
 
     @property
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @property
+    def job_backoff_limit(self) -> int:
+        """backoffLimit for the Kubernetes jobs: `backoff_limit`, or nodes + 1. A failure that takes the rendezvous
+        host down (pod 0's agent) takes every other agent down with it, so one such failure costs `nodes`
+        container restarts (PyTorchJob) or failed pods (Indexed Job). The PyTorchJob fails when the restarts
+        *reach* backoffLimit (PastBackoffLimit: `>=`), a Job when its failed pods *exceed* it: with nodes + 1 both
+        survive one whole-job failure."""
+        return self.nodes + 1 if self.backoff_limit is None else self.backoff_limit
 
     @property
     def shares_gpus(self) -> bool:
@@ -107,8 +117,8 @@ def slurm_script(script: str, size: JobSize, args: tuple | list = (), job_name: 
     Python runs in; on a cluster, a `module load` or a container line goes here). `output` is relative to
     `workdir` unless absolute; its folder must exist when the job starts (Slurm opens it before the script runs).
 
-    Since Slurm 22.05, srun no longer inherits --cpus-per-task from the allocation: without passing it on,
-    each agent (and so all of its workers) would get the step default of one CPU per task.
+    Since Slurm 22.05, srun no longer inherits --cpus-per-task from the allocation: without passing it on, each
+    task counts as needing one CPU, and task/affinity binds it (the agent and all of its workers) to that one CPU.
     """
     import sys
 
@@ -263,8 +273,9 @@ def _volumes() -> list[dict]:
             {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}}]
 
 
-def _pod_spec(container: dict, size: JobSize, restart_policy: str, gang: str | None) -> dict:
-    spec = {"restartPolicy": restart_policy, "containers": [container], "volumes": _volumes()}
+def _pod_spec(container: dict, size: JobSize, restart_policy: str | None, gang: str | None) -> dict:
+    spec = {"restartPolicy": restart_policy} if restart_policy else {}
+    spec.update({"containers": [container], "volumes": _volumes()})
     scheduler = _scheduler(size, gang)
     if scheduler:
         spec["schedulerName"] = scheduler
@@ -327,8 +338,11 @@ def pytorch_job(name: str, image: str, script: str, size: JobSize, args: tuple |
     agent (is_host from PET_NODE_RANK), so that TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 applies (pod_command).
     Restarts: torchrun restarts its workers --max-restarts times; after that (or when the agent itself dies)
     restartPolicy OnFailure restarts the container in place, and the operator fails the job when the container
-    restarts of its running pods add up to more than runPolicy.backoffLimit (PastBackoffLimit in the Training
-    Operator's job controller).
+    restarts of its running pods add up to runPolicy.backoffLimit (PastBackoffLimit in the Training Operator's
+    pkg/core/job.go: `>=`). backoffLimit is size.job_backoff_limit (nodes + 1 by default), not --max-restarts:
+    a restart of the Master's container takes the rendezvous store down and every other agent with it.
+    The replica spec carries restartPolicy; the pod template does not (the operator overwrites a template's
+    restartPolicy with the replica's, with a Warning event: pod.go in controller.v1/common).
     gang="volcano": runPolicy.schedulingPolicy (a Volcano PodGroup with minAvailable = nodes);
     gang="kueue": the queue label on the job.
     """
@@ -336,7 +350,7 @@ def pytorch_job(name: str, image: str, script: str, size: JobSize, args: tuple |
 
     def replica(count: int) -> dict:
         container = _container(PYTORCHJOB_CONTAINER, command, image, size, gang, PYTORCHJOB_PORT_NAME)
-        pod = _pod_spec(container, size, "OnFailure", gang)
+        pod = _pod_spec(container, size, None, gang)  # the replica's restartPolicy is the one that counts
         return {"replicas": count, "restartPolicy": "OnFailure", "template": {"spec": pod}}
 
     replicas = {"Master": replica(1)}
@@ -344,7 +358,7 @@ def pytorch_job(name: str, image: str, script: str, size: JobSize, args: tuple |
         replicas["Worker"] = replica(size.nodes - 1)
     # runPolicy: optional in the CRD, but the SDK's model (kubeflow.training) requires it
     spec: dict[str, Any] = {"nprocPerNode": str(size.gpus_per_node), "pytorchReplicaSpecs": replicas,
-                            "runPolicy": {"backoffLimit": size.max_restarts}}
+                            "runPolicy": {"backoffLimit": size.job_backoff_limit}}
     if gang == "volcano":
         spec["runPolicy"]["schedulingPolicy"] = {"minAvailable": size.nodes, "queue": queue}
     return {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": _metadata(name, gang, queue),
@@ -432,8 +446,9 @@ def indexed_job(name: str, image: str, script: str, size: JobSize, args: tuple |
     (is_host=1 from JOB_COMPLETION_INDEX, see pod_command).
 
     Restarts: torchrun restarts its workers --max-restarts times inside the pod; after that the pod fails
-    (restartPolicy Never) and the Job controller starts a replacement pod for that index, until backoffLimit
-    pods have failed. The replacement's agent joins the next rendezvous round with a restart count of 0.
+    (restartPolicy Never) and the Job controller starts a replacement pod for that index, until more than
+    backoffLimit pods have failed (size.job_backoff_limit: nodes + 1 by default). The replacement's agent
+    joins the next rendezvous round with a restart count of 0.
 
     publishNotReadyAddresses: the Service publishes pod DNS records before the pods are Ready, so the
     agents can find pod 0 while they all start. gang="kueue": the queue label (Volcano would need a
@@ -447,7 +462,7 @@ def indexed_job(name: str, image: str, script: str, size: JobSize, args: tuple |
     pod["subdomain"] = name  # pod DNS names live under the headless Service
     job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": _metadata(name, gang, queue),
            "spec": {"completionMode": "Indexed", "completions": size.nodes, "parallelism": size.nodes,
-                    "backoffLimit": size.max_restarts,
+                    "backoffLimit": size.job_backoff_limit,
                     "template": {"metadata": {"labels": {"job-name": name}}, "spec": pod}}}
     service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name},
                "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": {"job-name": name},
@@ -457,18 +472,23 @@ def indexed_job(name: str, image: str, script: str, size: JobSize, args: tuple |
 
 def write_job_files(folder: str | Path, script: str, size: JobSize, args: tuple | list = (),
                     name: str = "ddp-train", image: str | None = None,
-                    slurm_args: tuple | list | None = None) -> list[Path]:
+                    slurm_args: tuple | list | None = None, workdir: str | Path | None = None,
+                    setup: str | None = None) -> list[Path]:
     """Write the Dockerfile, the SLURM script, every manifest and the checkpoint claim into `folder`; return
     their paths. `slurm_args` replaces `args` in the SLURM script (a checkpoint path on the shared filesystem
-    rather than the pods' mount); the script runs in this repository (slurm_script's `workdir`)."""
+    rather than the pods' mount). `workdir` and `setup` go to slurm_script: by default the script runs in this
+    repository with this Python's virtual environment, which is right only on the cluster itself (a repository
+    on the shared filesystem); given a `workdir`, the job's output goes to `workdir` (relative to --chdir),
+    else beside the job files."""
     import yaml
 
     image = image or image_name()
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     plain = indexed_job(name, image, script, size, args)
+    output = "%x-%j.out" if workdir is not None else str(folder.resolve() / "%x-%j.out")
     batch = slurm_script(script, size, args if slurm_args is None else slurm_args, job_name=name,
-                         output=str(folder.resolve() / "%x-%j.out"))
+                         workdir=workdir, setup=setup, output=output)
     texts = {"Dockerfile": dockerfile(), "job.sbatch": batch,
              "pytorchjob.yaml": yaml.safe_dump(pytorch_job(name, image, script, size, args), sort_keys=False),
              "trainjob.yaml": yaml.safe_dump(train_job(name, image, script, size, args), sort_keys=False),

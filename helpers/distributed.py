@@ -33,8 +33,38 @@ def pick_backend(backend: str | None = None) -> tuple[str, torch.device]:
             f"CUDA; check nvidia-smi, the driver version and that the container sees the GPUs.")
     use_cuda = torch.cuda.is_available() and backend != "gloo"
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if backend == "nccl":
+        _check_gpu_architecture(local_rank)
     device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
     return backend or ("nccl" if use_cuda else "gloo"), device
+
+
+def _kernels_for(major: int, minor: int, arch_list: list[str]) -> bool:
+    """Whether a build with kernels for `arch_list` (torch.cuda.get_arch_list()) runs on a GPU of compute
+    capability major.minor: a cubin for sm_XY runs on X.z with z >= Y (same major), PTX (compute_XY) on any
+    capability >= X.Y (JIT-compiled)."""
+    for arch in arch_list:
+        kind, _, number = arch.partition("_")
+        version = int(number.rstrip("af"))
+        if kind == "sm" and version // 10 == major and version % 10 <= minor:
+            return True
+        if kind == "compute" and version <= 10 * major + minor:
+            return True
+    return False
+
+
+def _check_gpu_architecture(local_rank: int) -> None:
+    """torch.cuda.is_available() only counts devices (torch._C._cuda_getDeviceCount() > 0): a GPU older than the
+    build's kernels (a V100, sm_70, under a build for sm_75 and newer) is counted, torch only warns
+    (_check_capability in torch/cuda/__init__.py), and the first kernel fails with "no kernel image is available".
+    Refuse it here, by name."""
+    arch_list = torch.cuda.get_arch_list()
+    major, minor = torch.cuda.get_device_capability(local_rank)
+    if arch_list and not _kernels_for(major, minor, arch_list):
+        raise RuntimeError(
+            f"backend 'nccl': GPU {local_rank} has compute capability sm_{major}{minor}, but this torch "
+            f"({torch.__version__}, CUDA {torch.version.cuda}) has kernels only for {' '.join(arch_list)}: its "
+            f"kernels would fail with 'no kernel image is available'. Use a torch build for this GPU or newer GPUs.")
 
 
 def init_distributed(backend: str | None = None, **kwargs) -> tuple[int, int, torch.device]:

@@ -352,3 +352,42 @@ def test_shared_memory_exercise_accepts_the_solution_in_place_or_returned(capsys
     assert check_shared_memory_exercise(lambda pod: (_shm_solution(pod), pod)[1])
     assert "Correct" in capsys.readouterr().out
     assert "dshm" not in str(pod_without_shared_memory())
+
+
+def _pytorch_job_fails(restarts: int, backoff_limit: int) -> bool:
+    """The Training Operator's PastBackoffLimit (release-1.9, pkg/core/job.go): container restarts >= limit."""
+    return restarts >= backoff_limit
+
+
+def _job_fails(failed_pods: int, backoff_limit: int) -> bool:
+    """Kubernetes' Job controller: the Job fails when its failed pods exceed backoffLimit."""
+    return failed_pods > backoff_limit
+
+
+@pytest.mark.parametrize("nodes", [1, 2, 4])
+def test_the_jobs_survive_one_failure_that_takes_every_agent_down(nodes):
+    """A failure of pod 0 (the rendezvous host) takes every agent down: `nodes` container restarts or failed
+    pods. A backoffLimit copied from --max-restarts (1) fails a 2-node PyTorchJob at its first restart."""
+    size = JobSize(nodes=nodes, max_restarts=1)
+    limit = pytorch_job("t", IMAGE, "train.py", size)["spec"]["runPolicy"]["backoffLimit"]
+    assert not _pytorch_job_fails(nodes, limit) and _pytorch_job_fails(nodes + 1, limit)
+    limit = indexed_job("t", IMAGE, "train.py", size)["job"]["spec"]["backoffLimit"]
+    assert not _job_fails(nodes, limit)
+    assert pytorch_job("t", IMAGE, "train.py", JobSize(nodes=nodes, backoff_limit=7))[
+        "spec"]["runPolicy"]["backoffLimit"] == 7
+
+
+def test_pytorch_job_sets_restart_policy_on_the_replica_not_the_template():
+    """The operator overwrites a template's restartPolicy with the replica's (with a Warning event)."""
+    for replica in pytorch_job("t", IMAGE, "train.py", SHARED)["spec"]["pytorchReplicaSpecs"].values():
+        assert replica["restartPolicy"] == "OnFailure" and "restartPolicy" not in replica["template"]["spec"]
+
+
+def test_write_job_files_takes_the_clusters_workdir_and_setup(tmp_path):
+    paths = write_job_files(tmp_path, "helpers/workers/fault_tolerance_train.py", SHARED, workdir="/shared/lessons",
+                            setup="module load pytorch")
+    text = next(path for path in paths if path.name == "job.sbatch").read_text()
+    check_slurm_script(text)
+    assert "#SBATCH --chdir=/shared/lessons" in text and "\nmodule load pytorch\n" in text
+    assert "#SBATCH --output=%x-%j.out" in text  # relative to --chdir: no path of this machine
+    assert str(REPO_ROOT) not in text and str(tmp_path) not in text

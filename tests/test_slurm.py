@@ -14,11 +14,12 @@ import shutil
 import socket
 import subprocess
 import time
+import uuid
 from pathlib import Path
 
 import pytest
 
-from helpers import free_port
+from helpers import REPO_ROOT, free_port
 from helpers.cluster import JobSize, check_slurm_script, write_job_files
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "sinfo")
@@ -88,25 +89,37 @@ def slurm(tmp_path_factory):
                     pass
 
 
-def test_the_generated_batch_script_runs_under_a_real_slurm(slurm, tmp_path):
+@pytest.mark.parametrize("chdir", [True, False], ids=["as-written", "without---chdir"])
+def test_the_generated_batch_script_runs_under_a_real_slurm(slurm, tmp_path, chdir):
     """sbatch from the job-files folder (not the repository): --chdir, the environment line and the relative
-    script and checkpoint paths must all work as written. The job trains 4 steps on 2 ranks and checkpoints."""
-    checkpoint = tmp_path / "shared" / "ckpt.pt"  # stands for the cluster's shared filesystem
-    checkpoint.parent.mkdir()
+    script and checkpoint paths must all work as written. The job trains 4 steps on 2 ranks and checkpoints to a
+    path relative to the repository. Without --chdir the job starts in the job-files folder and cannot find
+    the script."""
+    checkpoint = Path("runs", f"slurm-test-{uuid.uuid4().hex[:8]}.pt")  # relative: resolved in the job's folder
     size = JobSize(nodes=1, gpus_per_node=2, cpus_per_process=1, max_restarts=0)
     files = write_job_files(tmp_path / "job-files", "helpers/workers/fault_tolerance_train.py", size,
                             args=["--steps", "4", "--checkpoint", str(checkpoint), "--checkpoint-every", "2"])
     batch = next(path for path in files if path.name == "job.sbatch")
     text = batch.read_text().replace(":29500", f":{free_port()}")  # a free rendezvous port for this test
+    if not chdir:
+        text = "\n".join(line for line in text.splitlines() if not line.startswith("#SBATCH --chdir")) + "\n"
     batch.write_text(text)
     check_slurm_script(text)
-    done = subprocess.run(["sbatch", "--parsable", "--wait", batch.name], cwd=batch.parent, env=slurm,
-                          capture_output=True, text=True, timeout=180)
-    job_id = done.stdout.strip().split(";")[0]
-    outputs = list(batch.parent.glob(f"*-{job_id}.out"))
-    log = outputs[0].read_text() if outputs else "(no output file)"
-    # catches a script that only runs from the repository root, misses its environment, or whose job fails
-    assert done.returncode == 0, f"sbatch --wait exited {done.returncode}: {done.stderr}\njob output:\n{log}"
-    assert outputs == [batch.parent / f"ddp-train-{job_id}.out"], "the output did not land beside the job files"
-    assert checkpoint.exists(), f"no checkpoint at the shared path; job output:\n{log}"
-    print(f"Slurm job {job_id} ran; its output ends:\n{log[-600:]}")
+    try:
+        done = subprocess.run(["sbatch", "--parsable", "--wait", batch.name], cwd=batch.parent, env=slurm,
+                              capture_output=True, text=True, timeout=180)
+        job_id = done.stdout.strip().split(";")[0]
+        outputs = list(batch.parent.glob(f"*-{job_id}.out"))
+        log = outputs[0].read_text() if outputs else "(no output file)"
+        assert outputs == [batch.parent / f"ddp-train-{job_id}.out"], "the output did not land beside the job files"
+        if not chdir:  # catches a test that would pass whether or not the script moves into the repository
+            assert done.returncode != 0 and "can't open file" in log, log[-600:]
+            return
+        # catches a script that only runs from the repository root, misses its environment, or whose job fails
+        assert done.returncode == 0, f"sbatch --wait exited {done.returncode}: {done.stderr}\njob output:\n{log}"
+        # catches a job that trained on one rank (a wrong --nproc-per-node) or not at all
+        assert "attempt 0: world size 2, starting at step 0" in log, log[-600:]
+        assert (REPO_ROOT / checkpoint).exists(), f"no checkpoint at <repository>/{checkpoint}; job output:\n{log}"
+        print(f"Slurm job {job_id} ran; its output ends:\n{log[-600:]}")
+    finally:
+        (REPO_ROOT / checkpoint).unlink(missing_ok=True)

@@ -162,7 +162,7 @@ def main() -> None:
                 break
 
     parameters = torch.cat([p.detach().flatten() for p in model.module.parameters()]).cpu()
-    result(parameters=parameters, steps=step, attempt=attempt, world_size=world_size,
+    result(parameters=parameters, steps=step, attempt=attempt, world_size=world_size, backend=dist.get_backend(),
            agent_store=os.environ.get("TORCHELASTIC_USE_AGENT_STORE"))
     dist.destroy_process_group()
 
