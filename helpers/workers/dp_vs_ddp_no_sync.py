@@ -3,7 +3,8 @@
     torchrun --standalone --nproc-per-node 2 helpers/workers/dp_vs_ddp_no_sync.py --accumulate 4 --per-rank-batch 8
 
 Each rank accumulates gradients over `accumulate` micro-batches of `per-rank-batch` samples twice: once syncing on every
-backward, once inside no_sync() for all but the last. It counts the all-reduce calls (comm hook)
+backward, once inside no_sync() for all but the last, and once
+with only the backward inside no_sync() (the forward outside: DDP still syncs). It counts the all-reduce calls (comm hook)
 and compares both results with one process that sees every rank's micro-batches at once.
 """
 import argparse
@@ -31,6 +32,16 @@ def accumulate(model: DDP, batches: list[tuple[torch.Tensor, torch.Tensor]], use
             loss = torch.nn.functional.cross_entropy(model(images), labels) / len(batches)
             loss.backward()
     return [p.grad.clone() for p in model.parameters()]
+
+
+def accumulate_forward_outside(model: DDP, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """The mistake: every forward outside no_sync(), only the backward inside it. DDP decides in the forward."""
+    model.zero_grad(set_to_none=True)
+    for index, (images, labels) in enumerate(batches):
+        loss = torch.nn.functional.cross_entropy(model(images), labels) / len(batches)
+        context = model.no_sync() if index < len(batches) - 1 else contextlib.nullcontext()
+        with context:
+            loss.backward()
 
 
 def main() -> None:
@@ -61,14 +72,20 @@ def main() -> None:
         grads[use_no_sync] = accumulate(model, mine, use_no_sync)
         counts[use_no_sync] = counter.calls
 
+    counter.reset()
+    accumulate_forward_outside(model, mine)
+    calls_forward_outside = counter.calls
+
     # The reference: one process, the whole global batch, mean loss.
     plain.zero_grad(set_to_none=True)
     torch.nn.functional.cross_entropy(plain(all_images.flatten(0, 2)), all_labels.flatten()).backward()
     reference = [p.grad for p in plain.parameters()]
     result(calls_every_backward=counts[False], calls_with_no_sync=counts[True],
+           calls_forward_outside_no_sync=calls_forward_outside,
            diff_every_backward=max_abs_diff(grads[False], reference),
            diff_with_no_sync=max_abs_diff(grads[True], reference))
-    print(f"rank {rank}: all-reduce calls {counts[False]} -> {counts[True]} with no_sync")
+    print(f"rank {rank}: all-reduce calls {counts[False]} -> {counts[True]} with no_sync "
+          f"({calls_forward_outside} with only the backward inside no_sync)")
     dist.destroy_process_group()
 
 
