@@ -127,6 +127,13 @@ def test_tour_on_three_ranks_keeps_subgroups_and_averages_apart():
     first_pair = [a + b for a, b in zip(starting[0], starting[1], strict=True)]
     after = [run.results[rank]["tensors"]["all_reduce in a subgroup"]["after"] for rank in range(3)]
     assert after == [first_pair, first_pair, starting[2]]  # a group of one all-reduces with itself
-    mean = [sum(column) / 3 for column in zip(*starting, strict=True)]
+    averaged = [run.results[rank]["tensors"]["all_reduce(op=AVG)"]["before"] for rank in range(3)]
+    mean = [sum(column) / 3 for column in zip(*averaged, strict=True)]
+    assert len(mean) == 8  # not the world size: an AVG dividing by the tensor's length would differ
     for rank in range(3):
         assert run.results[rank]["tensors"]["all_reduce(op=AVG)"]["after"] == pytest.approx(mean)
+        # gloo's AVG sums first (float16 overflow), dividing first does not; DDP divides first
+        assert run.results[rank]["tensors"]["fp16 all_reduce(op=AVG)"]["after"] == [float("inf")] * 2
+        assert run.results[rank]["tensors"]["fp16 divide by N, then SUM"]["after"] == [40000.0] * 2
+        assert run.results[rank]["ddp_fp16_gradient"] == [40000.0] * 2
+        assert "error" in run.results[rank]["integer_avg"]
