@@ -172,17 +172,37 @@ def format_bytes(size: float) -> str:
     raise AssertionError("unreachable")
 
 
-# a call of any collective that moves data, or of the object-pickling send/recv (the exercise wants tensor
-# send/recv/isend/irecv): all_gather_by_hand( and tensor.gather( do not match
-_COLLECTIVE_CALL = re.compile(
-    r"(?<![\w.])(?:(?:torch\.)?(?:dist|distributed)\.)?"
-    r"(all_gather(?:_into_tensor|_single|_object)?|all_reduce|broadcast(?:_object_list)?|"
-    r"reduce(?:_scatter(?:_tensor|_single)?)?|all_to_all(?:_single)?|gather(?:_object)?|scatter(?:_object_list)?|"
-    r"send_object_list|recv_object_list)\s*\(")
+# Collectives that move data, and the object-pickling send/recv (the exercise wants tensor send/recv/isend/irecv).
+# No torch.Tensor method has one of these names, so `anything.all_gather(` is refused whatever the module is called
+# (`dist.`, `D.`, `c10d.`)
+_ALWAYS = (r"all_gather(?:_into_tensor|_single|_object)?|all_reduce|broadcast(?:_object_list)?|"
+           r"reduce_scatter(?:_tensor|_single)?|all_to_all(?:_single)?|gather_object|scatter_object_list|"
+           r"send_object_list|recv_object_list")
+# these three are also tensor methods (t.gather, t.scatter) or other functions (functools.reduce): refused only as
+# attributes of torch.distributed under one of its usual names or an alias the script gives it
+_AMBIGUOUS = r"gather|scatter|reduce"
+_COLLECTIVE_CALL = re.compile(rf"(?<=[\w)\]])\s*\.\s*({_ALWAYS})\s*\(")
 # `from torch.distributed import all_gather as ag` hides the call's name: the import itself is refused
 _COLLECTIVE_IMPORT = re.compile(
-    r"from\s+torch\.distributed\s+import\s+[^\n]*?\b(all_gather\w*|all_reduce|broadcast\w*|reduce\w*|"
-    r"all_to_all\w*|gather\w*|scatter\w*|send_object_list|recv_object_list)\b")
+    r"from\s+torch\.distributed(?:\.distributed_c10d)?\s+import\s+[^\n]*?"
+    rf"(?:\b({_ALWAYS}|{_AMBIGUOUS})\b|(\*))")
+_DIST_ALIAS = re.compile(r"import\s+torch\.distributed(?:\.distributed_c10d)?\s+as\s+(\w+)|"
+                         r"from\s+torch(?:\.distributed)?\s+import\s+(?:distributed|distributed_c10d)\s+as\s+(\w+)")
+
+
+def _collective_used(source: str) -> str | None:
+    """The name of a collective that `source` calls (or imports from torch.distributed), else None."""
+    found = _COLLECTIVE_CALL.search(source)
+    if found:
+        return found.group(1)
+    found = _COLLECTIVE_IMPORT.search(source)
+    if found:
+        return found.group(1) or "* (a star import of torch.distributed)"
+    aliases = {"dist", "distributed", "c10d", "distributed_c10d"}
+    aliases |= {name for pair in _DIST_ALIAS.findall(source) for name in pair if name}
+    names = "|".join(sorted(aliases))
+    found = re.search(rf"(?<![\w.])(?:torch\s*\.\s*)?(?:{names})\s*\.\s*({_AMBIGUOUS})\s*\(", source)
+    return found.group(1) if found else None
 
 
 def check_all_gather(script: str | Path, nproc: int = 3, timeout: float = 60) -> bool:
@@ -192,9 +212,9 @@ def check_all_gather(script: str | Path, nproc: int = 3, timeout: float = 60) ->
     dist.all_gather or any other collective, and hand it back with result(gathered=[...]).
     """
     source = Path(script).read_text()
-    called = _COLLECTIVE_CALL.search(source) or _COLLECTIVE_IMPORT.search(source)
+    called = _collective_used(source)
     if called:  # a broadcast per rank, or an all_reduce of padded tensors, also gives the right answer
-        return not_yet(f"build it from send/recv (or isend/irecv), without calling dist.{called.group(1)} "
+        return not_yet(f"build it from send/recv (or isend/irecv), without calling dist.{called} "
                        "or any other collective (the exercise allows send, recv, isend and irecv only).")
     print(f"Running {Path(script).name} on {nproc} ranks (usually a few seconds; the check gives up after "
           f"{timeout:g} s). If nothing comes back within 10 s, press Stop (■): the launcher then says where each "

@@ -103,7 +103,10 @@ def test_exercise_check_names_the_unfilled_own_slot_and_refuses_an_imported_coll
     "send_object_list", "recv_object_list"])
 def test_exercise_check_refuses_every_collective_by_name(tmp_path, capsys, name):
     """Each of these gives the right answer without point-to-point tensors; the check refuses it before launching."""
-    for source in (f"import torch.distributed as dist\ndist.{name}(a, b)\n", f"{name} (a, b)\n",
+    for source in (f"import torch.distributed as dist\ndist.{name}(a, b)\n",
+                   f"import torch.distributed as D\nD.{name}(a, b)\n",
+                   f"from torch.distributed import distributed_c10d as c\nc.{name} (a, b)\n",
+                   f"torch.distributed.{name}(a, b)\n",
                    f"from torch.distributed import {name} as x\n"):
         script = tmp_path / "uses_a_collective.py"
         script.write_text(source)
@@ -111,12 +114,22 @@ def test_exercise_check_refuses_every_collective_by_name(tmp_path, capsys, name)
         assert f"without calling dist.{name} " in capsys.readouterr().out
 
 
-def test_exercise_check_does_not_refuse_names_that_only_contain_a_collective(tmp_path, capsys):
-    script = tmp_path / "by_hand.py"
-    script.write_text("def all_gather_by_hand(t):\n    return t.gather(0, t)\nall_gather_by_hand(1)\n")
-    from helpers.collectives import _COLLECTIVE_CALL, _COLLECTIVE_IMPORT
-    source = script.read_text()
-    assert not _COLLECTIVE_CALL.search(source) and not _COLLECTIVE_IMPORT.search(source)
+def test_exercise_check_refuses_a_star_import(tmp_path, capsys):
+    script = tmp_path / "star.py"
+    script.write_text("from torch.distributed import *\nall_gather(a, b)\n")
+    assert not check_all_gather(script)
+    assert "star import" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("source", [
+    "def all_gather_by_hand(t):\n    return t.gather(0, t)\nall_gather_by_hand(1)\n",
+    "from functools import reduce\ntotal = reduce(lambda a, b: a + b, [1, 2])\n",
+    "import functools\ntotal = functools.reduce(lambda a, b: a + b, [1, 2])\n",
+    "def gather(pieces):\n    return pieces\ngather([1])\nt.scatter(0, index, src)\n",
+])
+def test_exercise_check_does_not_refuse_names_that_are_not_torch_collectives(source):
+    from helpers.collectives import _collective_used
+    assert _collective_used(source) is None
 
 
 def test_tour_on_three_ranks_keeps_subgroups_and_averages_apart():
@@ -127,6 +140,13 @@ def test_tour_on_three_ranks_keeps_subgroups_and_averages_apart():
     first_pair = [a + b for a, b in zip(starting[0], starting[1], strict=True)]
     after = [run.results[rank]["tensors"]["all_reduce in a subgroup"]["after"] for rank in range(3)]
     assert after == [first_pair, first_pair, starting[2]]  # a group of one all-reduces with itself
-    mean = [sum(column) / 3 for column in zip(*starting, strict=True)]
+    averaged = [run.results[rank]["tensors"]["all_reduce(op=AVG)"]["before"] for rank in range(3)]
+    mean = [sum(column) / 3 for column in zip(*averaged, strict=True)]
+    assert len(mean) == 8  # not the world size: an AVG dividing by the tensor's length would differ
     for rank in range(3):
         assert run.results[rank]["tensors"]["all_reduce(op=AVG)"]["after"] == pytest.approx(mean)
+        # gloo's AVG sums first (float16 overflow), dividing first does not; DDP divides first
+        assert run.results[rank]["tensors"]["fp16 all_reduce(op=AVG)"]["after"] == [float("inf")] * 2
+        assert run.results[rank]["tensors"]["fp16 divide by N, then SUM"]["after"] == [40000.0] * 2
+        assert run.results[rank]["ddp_fp16_gradient"] == [40000.0] * 2
+        assert "error" in run.results[rank]["integer_avg"]

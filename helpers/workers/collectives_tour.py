@@ -45,7 +45,7 @@ def main() -> None:
     rank, world_size, device = init_distributed()
     length = 4 if 4 % world_size == 0 else world_size  # reduce_scatter and all_to_all need equal chunks
     seen: dict[str, dict[str, list]] = {}
-    steps = 16  # one progress tick per operation below
+    steps = 17  # one progress tick per operation below
 
     def record(name: str, before: torch.Tensor | None, after: torch.Tensor | None) -> None:
         """None: this rank has nothing there (e.g. no output on a rank that is not dst)."""
@@ -131,13 +131,45 @@ def main() -> None:
     dist.all_gather_single(flat, chunk)
     record("all_gather_single", chunk, flat)
 
-    # AVG: the sum divided by the number of ranks, in one call
-    tensor = starting_tensor(rank, length, device)
+    # AVG: the sum divided by the number of ranks, in one call. 8 numbers, not world_size of them, so that an
+    # AVG that divided by the tensor's length instead of the number of ranks would give a different answer
+    tensor = starting_tensor(rank, 8, device)
     before = tensor.clone()
     dist.all_reduce(tensor, op=dist.ReduceOp.AVG)
     record("all_reduce(op=AVG)", before, tensor)
 
-    # subgroups: every rank must create every group, in the same order, even the groups it is not in;
+    # AVG in float16 near its largest value (65504): every rank holds 40000. gloo's AVG sums first, then divides
+    # (the sum, 40000 * N, overflows to inf); dividing by N first and then summing stays finite
+    large = torch.full((2,), 40000.0, dtype=torch.float16, device=device)
+    averaged = large.clone()
+    dist.all_reduce(averaged, op=dist.ReduceOp.AVG)
+    divided_first = large.clone().div_(world_size)
+    dist.all_reduce(divided_first, op=dist.ReduceOp.SUM)
+    record("fp16 all_reduce(op=AVG)", large, averaged)
+    record("fp16 divide by N, then SUM", large, divided_first)
+
+    # AVG on integers: gloo (torch 2.14.1) sums and then cannot divide in place; nccl averages integers
+    integers = torch.arange(1, 3, dtype=torch.int64, device=device) + 10 * rank
+    try:
+        dist.all_reduce(integers, op=dist.ReduceOp.AVG)
+        integer_avg = {"after": integers.cpu().tolist()}
+    except RuntimeError as error:
+        integer_avg = {"error": str(error).splitlines()[0]}
+    progress(len(seen), total=steps)
+
+    # DDP on float16 gradients of 40000 on every rank: its reducer divides each gradient by N as it copies it
+    # into the bucket, then all-reduces with SUM, so the averaged gradient is 40000, not inf
+    weight_model = torch.nn.Linear(2, 1, bias=False).to(device=device, dtype=torch.float16)
+    ddp = torch.nn.parallel.DistributedDataParallel(weight_model)
+    with torch.no_grad():
+        weight_model.weight.fill_(1.0)
+    ddp(torch.full((1, 2), 40000.0, dtype=torch.float16, device=device)).sum().backward()
+    ddp_gradient = weight_model.weight.grad.flatten().cpu().tolist()
+    del ddp
+    progress(len(seen), total=steps)
+
+    # subgroups: by default (use_local_synchronization=False) every rank must create every group, in the same
+    # order, even the groups it is not in;
     # then each rank all-reduces within its own half of the ranks only
     halves = [list(range(0, (world_size + 1) // 2)), list(range((world_size + 1) // 2, world_size))]
     groups = [dist.new_group(members) if members else None for members in halves]
@@ -159,6 +191,7 @@ def main() -> None:
     left = time.time()
     progress(steps, total=steps)
     result(tensors=seen, barrier={"arrived": arrived, "left": left}, work_handle=handle, world_size=world_size,
+           integer_avg=integer_avg, ddp_fp16_gradient=ddp_gradient,
            backend=dist.get_backend(), subgroups=halves)
     dist.destroy_process_group()
 
