@@ -138,8 +138,8 @@ def wait_until_step(job: Any, step: int, limit: float = 30.0) -> None:
 
 
 def worker_pids(job: Any) -> dict[int, int]:
-    """rank -> process id of each live worker of a started job (on a cluster: `pgrep -f train.py`, or the pids
-    in torchrun's own log)."""
+    """rank -> process id of each live worker of a started job (on a cluster: `pgrep -f train.py`, or
+    `pgrep -P <torchrun's pid>`; torchrun logs its workers' pids only as the job ends, even with LOGLEVEL=INFO)."""
     return job.folder.live_worker_pids()
 
 

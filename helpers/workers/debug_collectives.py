@@ -19,10 +19,12 @@ Tools: --monitored   monitored_barrier instead of barrier (gloo only): rank 0 na
                               dumps stop and a last one goes to DIR/after_error/rank<N>, so that DIR/rank<N>
                               keeps the state during the hang
        --stacks-on-signal   faulthandler.register(SIGUSR1): `kill -USR1 <pid>` prints every thread's Python
-                              stack to this rank's stderr (replaces the course launcher's own SIGUSR1 handler)
+                              stack to this rank's stderr (replaces the course launcher's own SIGUSR1 handler);
+                              also allow_any_tracer(), so that py-spy may attach without root under ptrace_scope=1
        --timeout S   seconds a collective waits before it fails (gloo's default is 30 minutes)
 """
 import argparse
+import ctypes
 import faulthandler
 import os
 import signal
@@ -107,6 +109,19 @@ def keep_dumping(folder: str, rank: int, seconds: float = 1.0) -> threading.Even
     return stop
 
 
+def allow_any_tracer() -> None:
+    """Let any process of the same user ptrace this one (py-spy dump), through Linux's
+    prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY). It matters only under Yama's ptrace_scope=1 (Ubuntu's default),
+    where a user may otherwise trace only its own descendants; it does not help under ptrace_scope 2 or 3, nor
+    in a container that forbids ptrace. Elsewhere (not Linux, no Yama) the call fails and nothing changes."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_ptracer, pr_set_ptracer_any = 0x59616D61, ctypes.c_ulong(2**64 - 1)  # linux/prctl.h: "Yama", -1UL
+        libc.prctl(pr_set_ptracer, pr_set_ptracer_any, ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
+    except (OSError, AttributeError):
+        pass
+
+
 @record  # a failure's traceback goes into torchrun's error file, and so into its summary
 def main() -> None:
     args = parse_args()
@@ -115,6 +130,7 @@ def main() -> None:
     dist.set_debug_level_from_env()
     if args.stacks_on_signal:  # the two lines to put at the top of any training script
         faulthandler.register(signal.SIGUSR1, all_threads=True)
+        allow_any_tracer()  # optional: lets py-spy attach without root where Yama's ptrace_scope is 1
     # gloo on every machine: the planted bugs are gloo cases (monitored_barrier, the SIGABRT on a size mismatch)
     rank, world_size, _ = init_distributed("gloo", timeout=timedelta(seconds=args.timeout))
     if args.flight_recorder:
