@@ -120,12 +120,12 @@ def plot_gradient_histogram(grads: torch.Tensor, scales: dict[str, float],
         ax.hist(torch.log2(grads.abs() * scale).numpy(), bins=80, alpha=0.5, label=name)
     ax.axvline(-25, color="k", ls="--", lw=1)  # 2^-25, half the smallest subnormal 2^-24: at or below it, rounds to 0
     ax.axvline(torch.log2(torch.tensor(info.tiny)).item(), color="k", ls=":", lw=1,
-               label="fp16 smallest normal (2^-14): below it, fewer bits")
+               label="fp16 smallest normal, 2^-14")
     ax.axvline(torch.log2(torch.tensor(info.max)).item(), color="r", ls="--", lw=1)
     ax.text(-25.5, ax.get_ylim()[1] * 0.9, "fp16 zero below", ha="right", fontsize=8)
     ax.text(15.5, ax.get_ylim()[1] * 0.9, "fp16 inf above", fontsize=8, color="r")
     ax.set(xlabel="log2 |gradient|", ylabel="count", title="Gradients against fp16's range")
-    ax.legend(loc="upper left", fontsize=8)
+    ax.legend(loc="center left", fontsize=8)
     return ax
 
 
