@@ -119,12 +119,13 @@ def plot_gradient_histogram(grads: torch.Tensor, scales: dict[str, float],
     for name, scale in scales.items():
         ax.hist(torch.log2(grads.abs() * scale).numpy(), bins=80, alpha=0.5, label=name)
     ax.axvline(-25, color="k", ls="--", lw=1)  # 2^-25, half the smallest subnormal 2^-24: at or below it, rounds to 0
-    ax.axvline(torch.log2(torch.tensor(info.tiny)).item(), color="k", ls=":", lw=1)
+    ax.axvline(torch.log2(torch.tensor(info.tiny)).item(), color="k", ls=":", lw=1,
+               label="fp16 smallest normal, 2^-14")
     ax.axvline(torch.log2(torch.tensor(info.max)).item(), color="r", ls="--", lw=1)
     ax.text(-25.5, ax.get_ylim()[1] * 0.9, "fp16 zero below", ha="right", fontsize=8)
     ax.text(15.5, ax.get_ylim()[1] * 0.9, "fp16 inf above", fontsize=8, color="r")
     ax.set(xlabel="log2 |gradient|", ylabel="count", title="Gradients against fp16's range")
-    ax.legend(loc="upper left", fontsize=8)
+    ax.legend(loc="center left", fontsize=8)
     return ax
 
 
@@ -162,10 +163,21 @@ def op_dtypes(device_type: str = "cpu", dtype: torch.dtype = torch.bfloat16) -> 
             "layer_norm": F.layer_norm(low, (8,)),
             "mse_loss": F.mse_loss(low, b),
             "cross_entropy": F.cross_entropy(low, targets),
-            "cat [lowered, fp32] (autocast: promote)": torch.cat((low, a)),
+            # index_copy has no type promotion of its own: outside autocast, a bf16 self with an fp32 source
+            # raises "expected to have the same dtype". Autocast's promote policy casts both to fp32 first.
+            "index_copy(lowered, fp32) (autocast: promote)": torch.index_copy(low, 0, targets[:2], a[:2]),
             "add lowered + fp32 (ordinary promotion)": low + a,
         }
     return {name: str(out.dtype) for name, out in ops.items()}
+
+
+def index_copy_without_autocast() -> str:
+    """index_copy of an fp32 source into a bf16 tensor outside autocast: torch's error message, or the dtype."""
+    low, a = torch.rand(8, 8).to(torch.bfloat16), torch.rand(8, 8)
+    try:
+        return str(torch.index_copy(low, 0, torch.tensor([0, 1]), a[:2]).dtype)
+    except RuntimeError as error:
+        return str(error)
 
 
 def parameter_casts(contexts: int, passes_per_context: int, cache_enabled: bool = True) -> int:

@@ -7,7 +7,8 @@ fp16 autocast on the GPU when there is one, else on the CPU. At --spike-step the
 by --spike (a stand-in for one bad batch): the scaled gradients overflow fp16, the scaler sees
 inf/NaN, skips optimizer.step() and halves the scale. Every --growth-interval clean steps in a
 row, it doubles the scale again. Gradients are unscaled before clipping, so --max-norm means what it
-says: each step reports the true gradient norm before and after clip_grad_norm_.
+says: each step reports the norm of the scaled gradients (before unscale_), and the true gradient norm
+before and after clip_grad_norm_.
 """
 import argparse
 
@@ -51,6 +52,7 @@ def main() -> None:
         optimizer.zero_grad(set_to_none=True)
         scale = scaler.get_scale()
         scaler.scale(loss).backward()
+        scaled_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()  # S times too big
         scaler.unscale_(optimizer)  # true gradients now, so clipping and the norm below are meaningful
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm).item()  # norm before
         clipped_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()  # and after
@@ -59,8 +61,8 @@ def main() -> None:
         was_skipped = scaler.get_scale() < scale
         if was_skipped:
             skipped.append(step)
-        report(step=step, scale=scale, loss=loss.item(), grad_norm=grad_norm, clipped_norm=clipped_norm,
-               skipped=was_skipped)
+        report(step=step, scale=scale, loss=loss.item(), scaled_norm=scaled_norm, grad_norm=grad_norm,
+               clipped_norm=clipped_norm, skipped=was_skipped)
         progress(step + 1, total=args.steps)
 
     print(f"skipped steps: {skipped}, final scale {scaler.get_scale():g}")

@@ -10,6 +10,7 @@ from helpers.amp import (
     cast_names_alive,
     check_amp_train_step,
     format_facts,
+    index_copy_without_autocast,
     layer_dtypes,
     onednn_convolutions,
     op_dtypes,
@@ -105,7 +106,8 @@ def test_autocast_parameter_casts_live_until_backward() -> None:
 
 def test_op_dtypes_separates_autocast_promote_from_type_promotion() -> None:
     dtypes = op_dtypes()
-    assert dtypes["cat [lowered, fp32] (autocast: promote)"] == "torch.float32"
+    assert dtypes["index_copy(lowered, fp32) (autocast: promote)"] == "torch.float32"
+    assert "same dtype" in index_copy_without_autocast()  # the same call outside autocast is refused
     assert dtypes["add lowered + fp32 (ordinary promotion)"] == "torch.float32"
 
 
