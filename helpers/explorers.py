@@ -218,7 +218,10 @@ def pipeline_explorer() -> Any:
     import ipywidgets as widgets
 
     return _explorer(
-        lambda stages, microbatches, schedule: pipeline_figure(stages, microbatches, schedule),
+        lambda stages, microbatches, schedule: (print("torch's Schedule1F1B needs at least as many micro-batches as "
+                                                      "stages: raise the micro-batches")
+                                                if schedule == "1f1b" and microbatches < stages
+                                                else pipeline_figure(stages, microbatches, schedule)),
         stages=widgets.IntSlider(value=4, min=2, max=8, description="stages"),
         microbatches=widgets.IntSlider(value=8, min=1, max=32, description="micro-batches"),
         schedule=widgets.ToggleButtons(options=["gpipe", "1f1b"], value="1f1b"))

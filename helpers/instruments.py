@@ -171,6 +171,8 @@ class Stopwatch(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The first stage gets plain data; asking for its gradient is what makes "backward start" fire.
+        # An artefact of this instrument: the first stage's backward then also computes its input's gradient,
+        # which torch's PipelineStage would not (lesson 07 section 4 says so where it reads the compute times).
         x = _Mark.apply(x if x.requires_grad else x.detach().requires_grad_(), self, "start")
         return _Mark.apply(self.stage(x), self, "end")
 

@@ -59,22 +59,19 @@ def bubble_fraction(stages: int, microbatches: int) -> float:
 
 
 def _stage_order(stage: int, stages: int, microbatches: int, schedule: str) -> list[str]:
-    """The order in which one stage runs its forwards (F0, F1, ...) and backwards (B0, B1, ...)."""
-    forwards = [f"F{i}" for i in range(microbatches)]
-    backwards = [f"B{i}" for i in range(microbatches)]
+    """The order in which one stage runs its forwards (F0, F1, ...) and backwards (B0, B1, ...).
+
+    GPipe: all forwards, then all backwards (ScheduleGPipe). 1F1B: not written here but read from torch's own
+    Schedule1F1B (its `pipeline_order`, see `_torch_1f1b_list`), which needs microbatches >= stages.
+    """
     if schedule == "gpipe":
-        return forwards + backwards
+        return [f"F{i}" for i in range(microbatches)] + [f"B{i}" for i in range(microbatches)]
     if schedule != "1f1b":
         raise ValueError(f"schedule must be 'gpipe' or '1f1b', not {schedule!r}")
-    # As Schedule1F1B in torch/distributed/pipelining/schedules.py: stage s first runs min(m, p - s)
-    # forwards, then alternates one backward and one forward, then drains the remaining backwards.
-    warmup = min(microbatches, stages - stage)
-    order = forwards[:warmup]
-    for index, backward in enumerate(backwards):
-        order.append(backward)
-        if warmup + index < microbatches:
-            order.append(forwards[warmup + index])
-    return order
+    listed = _torch_1f1b_list(stages, microbatches, stage)
+    if stage == stages - 1:  # torch 2.14.1 numbers the last stage's forwards from 1: renumber them from 0
+        listed = [f"F{int(action[1:]) - 1}" if action[0] == "F" else action for action in listed]
+    return listed
 
 
 def pipeline_schedule(stages: int, microbatches: int, schedule: str = "gpipe") -> dict[str, Any]:
@@ -162,6 +159,22 @@ def idle_fraction(events: Sequence[dict[str, Any]]) -> float:
     return 1 - busy / (span * len(ranks))
 
 
+def _torch_1f1b_list(stages: int, microbatches: int, stage: int) -> list[str]:
+    """The forwards and backwards torch's Schedule1F1B lists in its `pipeline_order` for `stage`, as listed."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining import Schedule1F1B
+    from torch.distributed.pipelining.schedules import _ComputationType
+
+    if microbatches < stages:
+        raise ValueError(f"torch's Schedule1F1B needs at least as many micro-batches as stages "
+                         f"({microbatches} < {stages})")
+    kinds = {_ComputationType.FORWARD: "F", _ComputationType.FULL_BACKWARD: "B"}
+    schedule = Schedule1F1B(SimpleNamespace(num_stages=stages), n_microbatches=microbatches)
+    return [f"{kinds[action.computation_type]}{action.microbatch_index}"
+            for action in schedule.pipeline_order[stage] if action is not None and action.computation_type in kinds]
+
+
 def torch_1f1b_order(stages: int, microbatches: int, stage: int) -> list[str]:
     """The forwards and backwards that torch's own Schedule1F1B lists for `stage`, in order ("F0", "B0", ...).
 
@@ -170,17 +183,9 @@ def torch_1f1b_order(stages: int, microbatches: int, stage: int) -> list[str]:
     For the last stage that list numbers the forwards from 1 (in torch 2.14.1 it lists F1..Fm, not F0..F(m-1)),
     so use it for the other stages only.
     """
-    from types import SimpleNamespace
-
-    from torch.distributed.pipelining import Schedule1F1B
-    from torch.distributed.pipelining.schedules import _ComputationType
-
     if stage >= stages - 1:
         raise ValueError("torch's pipeline_order misnumbers the last stage's forwards; compare the other stages")
-    kinds = {_ComputationType.FORWARD: "F", _ComputationType.FULL_BACKWARD: "B"}
-    schedule = Schedule1F1B(SimpleNamespace(num_stages=stages), n_microbatches=microbatches)
-    return [f"{kinds[action.computation_type]}{action.microbatch_index}"
-            for action in schedule.pipeline_order[stage] if action is not None and action.computation_type in kinds]
+    return _torch_1f1b_list(stages, microbatches, stage)
 
 
 def ran_orders(timelines: Sequence[dict[str, list[dict[str, Any]]]], schedule: str = "1f1b") -> dict:

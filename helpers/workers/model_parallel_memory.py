@@ -1,4 +1,4 @@
-"""Where the memory goes: what each rank's tensors hold under DDP, ZeRO-1 and FSDP, and the temporary extras.
+"""Where the memory goes: what each rank's tensors hold under DDP, ZeRO-1 and FSDP, and the extras those sums leave out.
 
     torchrun --standalone --nproc-per-node 2 helpers/workers/model_parallel_memory.py --modes ddp zero1 fsdp
 
@@ -7,9 +7,10 @@ zero1: ZeroRedundancyOptimizer, each rank keeps Adam's state for its share of th
 fsdp:  FSDP2 `fully_shard`, each rank keeps a shard of parameters, gradients and Adam state.
 For each mode: one training step on random data, then each rank adds up the bytes its tensors hold.
 Then two extras that the sums above leave out, measured as the bytes of storage alive:
-- DDP's gradient buckets (one flat buffer per bucket, on top of the .grad tensors unless
+- DDP's gradient buckets, a standing cost (one flat buffer per bucket, allocated when DDP builds its buckets and
+  kept for the DDP object's lifetime, on top of the .grad tensors unless
   gradient_as_bucket_view=True makes the .grad tensors views into the buckets);
-- FSDP's gathered (unsharded) parameters while a step runs, with and without reshard_after_forward
+- FSDP's gathered (unsharded) parameters while a step runs, a temporary cost, with and without reshard_after_forward
   (their storages, FSDPParam.all_gather_outputs; not the flat buffer an all-gather first receives into).
 Works with one process.
 """

@@ -10,9 +10,10 @@ the batch into micro-batches and moves activations and gradients between ranks f
 batch, in forward and again in backward, split evenly over the micro-batches), so that on a small CPU the
 stages' work, not the messages between them, fills the timeline; `--stage-ms 0` leaves the real compute
 only. Every rank records when its stage computes (wall clock, and this thread's CPU time inside each
-interval) and how many bytes of activations it holds at most. Of the steps after a warm-up it keeps the
-fastest (the one whose slowest rank finished soonest), so that a moment when the machine is busy elsewhere
-does not count: a choice that makes the idle time the lowest of the recorded steps, not their average.
+interval) and how many bytes of activations it holds at most. Of the steps after a warm-up it keeps the one
+whose slower rank had the shortest span from its first compute start to its last compute end, so that a moment
+when the machine is busy elsewhere weighs less: a choice by span, not by idle time (the kept step's idle share
+need not be the lowest of the recorded steps), and not an average.
 It also checks loss and gradients against the unsplit model, and ends with two controls on the hand-over
 between ranks: a bare send/recv ping-pong, and a send whose receiver sleeps 50 ms before it receives.
 Works with one process (a one-stage pipeline).
@@ -39,7 +40,10 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
 def fastest_step(steps: list[list[dict]]) -> int:
-    """The step whose slowest rank finished soonest, agreed by all ranks (as timing keeps its best run)."""
+    """The step whose slowest rank had the shortest compute span (first start to last end), agreed by all ranks.
+
+    Chosen by span, not by idle share: the kept step's idle share need not be the lowest.
+    """
     spans = torch.tensor([max(e["end"] for e in events) - min(e["start"] for e in events) for events in steps])
     dist.all_reduce(spans, op=dist.ReduceOp.MAX)
     return int(spans.argmin())

@@ -170,3 +170,15 @@ def test_ran_orders_reads_the_timelines():
               {"rank": 0, "kind": "backward", "start": 3.0, "end": 4.0}]
     timelines = [{"1f1b m=1": events[:1] + events[3:]}, {"1f1b m=1": events[1:3]}]
     assert ran_orders(timelines) == {(2, 1, 0): ["F0", "B0"], (2, 1, 1): ["F0", "B0"]}
+
+
+def test_1f1b_slots_come_from_torchs_own_schedule():
+    # The slot model reads 1F1B from torch's Schedule1F1B.pipeline_order; the last stage's forwards are renumbered
+    # from F0 (torch 2.14.1 lists F1..Fm there), and torch refuses fewer micro-batches than stages.
+    for stage in range(3):
+        ours = [action for action in pipeline_schedule(4, 8, "1f1b")["slots"][stage] if action]
+        assert ours == torch_1f1b_order(4, 8, stage)
+    last = [action for action in pipeline_schedule(4, 8, "1f1b")["slots"][3] if action]
+    assert last == [action for i in range(8) for action in (f"F{i}", f"B{i}")]
+    with pytest.raises(ValueError, match="at least as many micro-batches as stages"):
+        pipeline_schedule(3, 2, "1f1b")
