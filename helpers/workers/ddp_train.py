@@ -56,19 +56,21 @@ def init_distributed() -> tuple[int, int, torch.device]:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, device: torch.device, rank: int, world_size: int) -> tuple[float, int]:
-    """Test accuracy over the whole test set, and how many images were counted (all ranks together):
-    each rank counts its share, all_reduce sums the counts."""
+def evaluate(model: nn.Module, device: torch.device, rank: int, world_size: int) -> tuple[float, int, list[int]]:
+    """Test accuracy over the whole test set, how many images were counted (all ranks together), and the
+    indices this rank counted: each rank counts its share, all_reduce sums the counts."""
     test_set, _ = load(train=False)
     my_share = Subset(test_set, range(rank, len(test_set), world_size))  # no padding: each image once
     counts = torch.zeros(2, device=device)  # correct, total
+    counted: list[int] = []  # the test-set indices this rank counted, in order
     model.eval()
     for images, labels in DataLoader(my_share, batch_size=256):
         predictions = model(images.to(device)).argmax(dim=1)
         counts += torch.tensor([(predictions == labels.to(device)).sum().item(), len(labels)], device=device)
+        counted += my_share.indices[len(counted):len(counted) + len(labels)]
     dist.all_reduce(counts)
     model.train()
-    return (counts[0] / counts[1]).item(), int(counts[1].item())
+    return (counts[0] / counts[1]).item(), int(counts[1].item()), counted
 
 
 def main() -> None:
@@ -89,7 +91,7 @@ def main() -> None:
               f"global batch {args.global_batch} = {world_size} x {per_rank_batch}")
 
     total_steps = min(args.steps or args.epochs * len(loader), args.epochs * len(loader))
-    step, train_seconds, accuracy, test_images = 0, 0.0, float("nan"), 0
+    step, train_seconds, accuracy, test_images, counted = 0, 0.0, float("nan"), 0, []
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)  # a new shuffle every epoch, the same one on every rank
         started, epoch_losses = time.perf_counter(), []
@@ -103,7 +105,7 @@ def main() -> None:
             step += 1
             progress(step, total=total_steps)
         train_seconds += time.perf_counter() - started
-        accuracy, test_images = evaluate(model, device, rank, world_size)
+        accuracy, test_images, counted = evaluate(model, device, rank, world_size)
         if rank == 0:
             mean_loss = sum(epoch_losses) / len(epoch_losses)  # one batch's loss is too noisy to read
             print(f"epoch {epoch}: mean training loss {mean_loss:.3f} (rank 0's batches), "
@@ -112,7 +114,7 @@ def main() -> None:
             break
 
     result(checksum=parameter_checksum(model), steps=step, world_size=world_size, data=source,
-           train_seconds=train_seconds, accuracy=accuracy, test_images=test_images)
+           train_seconds=train_seconds, accuracy=accuracy, test_images=test_images, test_indices=counted)
     dist.destroy_process_group()
 
 
