@@ -16,6 +16,7 @@ object store has no atomic rename: write new keys and a marker last). The load u
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import random
@@ -93,6 +94,35 @@ class _FailsHalfway:
         raise RuntimeError("simulated crash in the middle of writing a checkpoint")
 
 
+class _SimulatedCrash(BaseException):
+    """Raised by the check in place of a file-system step, as if the process died just before it."""
+
+
+@contextlib.contextmanager
+def _crash_before_file_step(number: int):
+    """Make the `number`-th call to os.replace/rename/unlink/remove raise instead of running (pathlib's
+    Path.replace, rename and unlink call these); yields a function telling whether that call came."""
+    names = ("replace", "rename", "unlink", "remove")
+    originals = {name: getattr(os, name) for name in names}
+    calls = [0]
+
+    def wrap(name):
+        def step(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] == number:
+                raise _SimulatedCrash(f"simulated crash before os.{name}")
+            return originals[name](*args, **kwargs)
+        return step
+
+    for name in names:
+        setattr(os, name, wrap(name))
+    try:
+        yield lambda: calls[0] >= number
+    finally:
+        for name, original in originals.items():
+            setattr(os, name, original)
+
+
 def check_atomic_save(save: Callable[[dict, Path], None], folder: str | os.PathLike) -> bool:
     """Lesson 06's exercise: does `save(state, path)` keep the old checkpoint if it dies midway?"""
     Path(folder).mkdir(parents=True, exist_ok=True)
@@ -109,6 +139,21 @@ def check_atomic_save(save: Callable[[dict, Path], None], folder: str | os.PathL
         return not_yet(f"the crash destroyed the last good checkpoint ({type(error).__name__}).")
     if after["step"] != 1 or not torch.equal(after["weight"], good["weight"]):
         return not_yet("the file at `path` changed although the second save failed.")
+    for crash_at in range(1, 10):  # a crash just before the 1st, 2nd, ... rename/replace/unlink the save does
+        save(good, path)
+        with _crash_before_file_step(crash_at) as reached:
+            try:
+                save({"step": 2, "weight": torch.zeros(1000)}, path)
+            except _SimulatedCrash:
+                pass
+        try:
+            after = torch.load(path, weights_only=True)
+        except (RuntimeError, EOFError, FileNotFoundError, pickle.UnpicklingError) as error:
+            return not_yet(f"a crash just before file step {crash_at} of the save (a rename, replace or delete) "
+                           f"left no loadable checkpoint ({type(error).__name__}): the old file must stay until "
+                           "one rename puts the new one in its place (os.replace, no delete first).")
+        if after["step"] == 2 and not reached():
+            break  # the save finished before step `crash_at`: every step has been crashed once
     inode = path.stat().st_ino
     save({"step": 3, "weight": good["weight"] * 2}, path)
     if torch.load(path, weights_only=True)["step"] != 3:

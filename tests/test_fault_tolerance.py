@@ -82,6 +82,20 @@ def test_atomic_save_check_rejects_a_temporary_file_copied_over_the_checkpoint(t
     assert "rewritten in place" in capsys.readouterr().out
 
 
+def test_atomic_save_check_rejects_a_save_that_deletes_the_old_file_before_the_rename(tmp_path, capsys):
+    def unlink_then_rename(state, path):  # survives a crash while pickling, not one between unlink and rename
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        temporary = path.with_name(path.name + ".tmp")
+        temporary.write_bytes(buffer.getvalue())
+        if path.exists():
+            path.unlink()
+        temporary.rename(path)
+
+    assert not check_atomic_save(unlink_then_rename, tmp_path)
+    assert "just before file step 2" in capsys.readouterr().out
+
+
 def test_weights_only_refuses_code_in_a_checkpoint(tmp_path):
     class Payload:
         def __reduce__(self):
@@ -97,10 +111,22 @@ def test_a_kill_in_the_middle_of_a_checkpoint_write_keeps_the_previous_checkpoin
     run = launch(TRAIN, nproc=2, max_restarts=1, echo=False,
                  args=[*SMALL, "--checkpoint", checkpoint, "--fail-rank", "0", "--fail-step", "4",
                        "--fail-mode", "mid-save"])
-    # rank 0 died (SIGKILL) with half of the step-4 checkpoint written; the restart used step 2's
+    # rank 0 was killed (SIGKILL) inside save_checkpoint's torch.save of step 4; the restart used step 2's
     assert run.attempts == 2 and "attempt 1: world size 2, starting at step 2" in run.logs[0]
     assert torch.equal(torch.tensor(run.results[0]["parameters"]), reference_weights)
     assert load_checkpoint(checkpoint)["step"] == 6
+
+
+def test_the_same_kill_with_a_save_in_place_leaves_a_checkpoint_the_restart_cannot_load(tmp_path):
+    # the control: this is what makes the test above evidence for the rename, not for the kill's timing
+    checkpoint = tmp_path / "ckpt.pt"
+    with pytest.raises(WorkerFailed) as failure:
+        launch(TRAIN, nproc=2, max_restarts=1, echo=False,
+               args=[*SMALL, "--checkpoint", checkpoint, "--fail-rank", "0", "--fail-step", "4",
+                     "--fail-mode", "mid-save", "--save-in-place"])
+    assert failure.value.run.attempts == 2 and "load_checkpoint" in str(failure.value)
+    with pytest.raises((RuntimeError, EOFError)):
+        torch.load(checkpoint, weights_only=True)
 
 
 def test_without_a_checkpoint_a_restart_starts_again_from_step_zero():

@@ -11,13 +11,16 @@
                        that was given the flags):
 --fail-mode crash      the process raises an error, as when its GPU fails
 --fail-mode hang       the process stops answering; the others time out after --timeout seconds
---fail-mode mid-save   rank 0 is killed (SIGKILL) halfway through writing the checkpoint of that step
---fail-mode node-lost  the whole node vanishes: SIGKILL to this rank's torchrun agent (its parent), then to itself
+--fail-mode mid-save   rank 0 is killed (SIGKILL) inside the save of that step's checkpoint, while torch.save
+                       is pickling (the file it writes to is open and still empty)
+--save-in-place        the control: save with torch.save(state, PATH) instead of save_checkpoint (no rename)
+--fail-mode node-lost  this node's processes die: SIGKILL to this rank's torchrun agent (its parent), then to
+                       itself. The kernel then closes their sockets, so the peers see the loss at once; after a
+                       real power cut nothing is closed and the peers wait for --timeout instead
 --backend nccl         insist on GPUs: fail at start-up if CUDA is missing, instead of training on the CPU
 Without --checkpoint a restart starts again from step 0. Works with one process, gloo or nccl.
 """
 import argparse
-import io
 import os
 import signal
 import time
@@ -28,7 +31,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
-from helpers.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state, temporary_path
+from helpers.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from helpers.data import load
 from helpers.distributed import init_distributed
 from helpers.models import SimpleModel
@@ -45,6 +48,8 @@ def parse_args() -> argparse.Namespace:
     batch.add_argument("--global-batch", type=int, default=None)
     parser.add_argument("--checkpoint", default=None)
     parser.add_argument("--checkpoint-every", type=int, default=5)
+    parser.add_argument("--save-in-place", action="store_true",
+                        help="the control: torch.save straight to --checkpoint, instead of save_checkpoint")
     parser.add_argument("--fail-rank", type=int, default=None)
     parser.add_argument("--fail-step", type=int, default=None)
     parser.add_argument("--fail-mode", choices=["crash", "hang", "mid-save", "node-lost"], default="crash")
@@ -71,13 +76,16 @@ def fail(mode: str, rank: int) -> None:
     time.sleep(3600)
 
 
-def die_while_saving(state: dict, checkpoint: str) -> None:
-    """Write half of the checkpoint where save_checkpoint writes first, then get killed."""
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    with open(temporary_path(checkpoint), "wb") as file:
-        file.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
-    os.kill(os.getpid(), signal.SIGKILL)
+class KilledWhileSaving:
+    """Put into the state, it kills this process (SIGKILL) when torch.save pickles it: inside the real save.
+
+    By then the file torch.save writes to is open (and so emptied), and torch.save is still pickling: it
+    pickles the whole state into memory before it writes the first record (`_save` in
+    torch/serialization.py:1246-1259). With save_checkpoint that file is the temporary one; written in place
+    (--save-in-place), it is the checkpoint itself."""
+
+    def __reduce__(self):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def join_group(timeout: timedelta, backend: str | None) -> tuple[int, int, torch.device, str]:
@@ -178,8 +186,11 @@ def save(args: argparse.Namespace, model: DDP, optimizer: torch.optim.Optimizer,
     state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "rng": states,
              "step": step}
     if failing_now(args, rank, step) and args.fail_mode == "mid-save":
-        die_while_saving(state, args.checkpoint)
-    save_checkpoint(args.checkpoint, state)
+        state["killed_while_saving"] = KilledWhileSaving()  # last key: pickled after the tensors
+    if args.save_in_place:  # the control: no temporary file, no rename
+        torch.save(state, args.checkpoint)
+    else:
+        save_checkpoint(args.checkpoint, state)
     print(f"step {step}: checkpoint saved")
 
 
