@@ -165,9 +165,10 @@ def op_dtypes(device_type: str = "cpu", dtype: torch.dtype = torch.bfloat16) -> 
             "cross_entropy": F.cross_entropy(low, targets),
             # index_copy has no type promotion of its own: outside autocast, a bf16 self with an fp32 source
             # raises "expected to have the same dtype". Autocast's promote policy casts both to fp32 first.
-            "index_copy(lowered, fp32) (autocast: promote)": torch.index_copy(low, 0, targets[:2], a[:2]),
             "add lowered + fp32 (ordinary promotion)": low + a,
         }
+        if device_type == "cpu":  # index_copy is on the CPU's promote list only (CUDA's list differs)
+            ops["index_copy(lowered, fp32) (autocast: promote)"] = torch.index_copy(low, 0, targets[:2], a[:2])
     return {name: str(out.dtype) for name, out in ops.items()}
 
 

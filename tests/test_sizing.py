@@ -30,7 +30,8 @@ def test_every_lesson_fits_the_memory_budget():
     rows = {match[1]: match[0] for match in re.finditer(r"^(\S+\.ipynb)\s.*$", done.stdout, re.MULTILINE)}
     lessons = sorted(path.name for pattern in ("[0-9][0-9]_*.ipynb", "A[0-9]_*.ipynb")
                      for path in (REPO_ROOT / "notebooks").glob(pattern))
-    assert sorted(rows) == lessons, f"sizing did not measure every lesson:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
+    assert sorted(rows) == lessons, (f"sizing did not measure every lesson:\n{done.stdout[-2000:]}\n"
+                                     f"{done.stderr[-2000:]}")
     failed = [name for name, row in rows.items() if "cells raised errors" in row]
     assert not failed, f"cells raised errors in {failed}"
     over = [name for name, row in rows.items() if "OVER" in row and name not in KNOWN_OVER]

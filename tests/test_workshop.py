@@ -133,6 +133,12 @@ def test_every_lesson_in_the_student_copy_has_a_check_that_says_not_yet_on_the_s
         assert any(text.startswith("Not yet: ") for text in said), f"{name}: no check says Not yet: {said}"
 
 
+def test_the_student_copy_readme_has_no_maintainer_commands(student_copy):
+    readme = (student_copy / "README.md").read_text()
+    assert "## Start" in readme and "jupyter lab" in readme and "## The lessons" in readme
+    assert "pytest" not in readme and "tests/" not in readme and "## Layout" not in readme
+
+
 def test_the_student_copy_leaves_out_nbvals_settings(student_copy):
     assert (workshop.ROOT / "notebooks" / "sanitize.cfg").exists()
     assert not (student_copy / "notebooks" / "sanitize.cfg").exists()

@@ -105,6 +105,22 @@ def _not_ignored(paths: tuple[str, ...]) -> list[Path]:
     return found
 
 
+def learner_readme(text: str) -> str:
+    """The README for a hand-out: the maintainers' part (the test suite, the repository layout) left out, since
+    a student copy has no tests/ or docs/ folder."""
+    sections = re.split(r"(?m)^(?=## )", text)
+    kept = []
+    for section in sections:
+        title = section.splitlines()[0] if section.strip() else ""
+        if title.startswith("## Layout"):
+            continue
+        if title.startswith("## Start"):
+            head, _, _ = section.partition("To check that every lesson")
+            section = head.rstrip() + "\n\n"
+        kept.append(section)
+    return "".join(kept)
+
+
 def write_copy(destination: str | Path, student: bool, clear_outputs: bool = False) -> list[Path]:
     """Write a learner (student=True) or teacher copy into `destination`; return the files written."""
     destination = Path(destination)
@@ -116,7 +132,9 @@ def write_copy(destination: str | Path, student: bool, clear_outputs: bool = Fal
             continue
         target = destination / relative
         target.parent.mkdir(parents=True, exist_ok=True)
-        if relative.suffix == ".ipynb" and (student or clear_outputs):
+        if student and relative.as_posix() == "README.md":
+            target.write_text(learner_readme((ROOT / relative).read_text(encoding="utf-8")), encoding="utf-8")
+        elif relative.suffix == ".ipynb" and (student or clear_outputs):
             notebook = json.loads((ROOT / relative).read_text(encoding="utf-8"))
             cells = notebook["cells"]
             notebook["cells"] = student_cells(cells, clear_outputs) if student else [

@@ -44,7 +44,10 @@ def fastest_step(steps: list[list[dict]]) -> int:
 
     Chosen by span, not by idle share: the kept step's idle share need not be the lowest.
     """
-    spans = torch.tensor([max(e["end"] for e in events) - min(e["start"] for e in events) for events in steps])
+    # on the process group's device: a group made with a bare "nccl" has no backend for CPU tensors
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    spans = torch.tensor([max(e["end"] for e in events) - min(e["start"] for e in events) for events in steps],
+                         device=device)
     dist.all_reduce(spans, op=dist.ReduceOp.MAX)
     return int(spans.argmin())
 
