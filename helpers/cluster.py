@@ -146,7 +146,9 @@ def slurm_script(script: str, size: JobSize, args: tuple | list = (), job_name: 
         f"#SBATCH --output={output}",
         "set -euo pipefail",
         setup,
-        'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        # sed reads the whole list: `head -n 1` would exit early, and scontrol's SIGPIPE would end the script
+        # under `set -o pipefail` once the host list is long enough
+        'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
         f"export OMP_NUM_THREADS={size.cpus_per_process}",
         f"export {SHARE_STORE_OPT_OUT['name']}={SHARE_STORE_OPT_OUT['value']}",
         f"srun --cpus-per-task=$SLURM_CPUS_PER_TASK {quoted}",

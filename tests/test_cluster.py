@@ -46,7 +46,7 @@ def test_slurm_script_passes_bash_and_torchrun_parsers():
 @pytest.mark.parametrize("change, words", [
     (("--nnodes=3", "--nodes=3"), "torchrun rejects"),
     (("#SBATCH --time", "#SBATCH --tme"), "unexpected #SBATCH option"),
-    (("head -n 1)", "head -n 1"), "bash rejects"),
+    (("sed -n 1p)", "sed -n 1p"), "bash rejects"),
     (("srun --cpus-per-task=$SLURM_CPUS_PER_TASK ", "srun "), "does not pass --cpus-per-task"),
     (("OMP_NUM_THREADS=4", "OMP_NUM_THREADS=8"), "oversubscribe"),
     (("--nproc-per-node=2", "--nproc-per-node=4"), "gpus-per-node=2"),

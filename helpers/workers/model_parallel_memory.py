@@ -91,7 +91,7 @@ def ddp_gradient_storage(args: argparse.Namespace, rank: int, world_size: int, d
 
     model.register_comm_hook(None, record_bucket)
     images, labels = batch(args, rank, world_size, device)
-    for _ in range(2):  # the .grad tensors become bucket views only from the second step on
+    for _ in range(2):  # two steps: the second runs after DDP's one bucket rebuild (its buffers are the ones kept)
         model.zero_grad()
         nn.functional.cross_entropy(model(images), labels).backward()
     storages = {p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage().nbytes() for p in model.parameters()}
