@@ -82,8 +82,8 @@ RAN = {(2, 2, 0): ["F0", "F1", "B0", "B1"], (2, 2, 1): ["F0", "B0", "F1", "B1"],
        (2, 4, 1): ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3"]}
 
 
-def one_f_one_b(stage, stages, microbatches):
-    warmup = min(microbatches, stages - stage)
+def one_f_one_b(stage, stages, microbatches, warmup_shortfall=0):
+    warmup = max(0, min(microbatches, stages - stage - warmup_shortfall))
     order = [f"F{i}" for i in range(warmup)]
     for i in range(microbatches):
         order.append(f"B{i}")
@@ -104,13 +104,7 @@ def backwards_bunched(stage, stages, microbatches):  # peak p - s, but two backw
 
 
 def warmup_too_short(stage, stages, microbatches):  # p - s - 1 forwards first: holds one micro-batch too few
-    warmup = max(0, min(microbatches, stages - stage - 1))
-    order = [f"F{i}" for i in range(warmup)]
-    for i in range(microbatches):
-        order.append(f"B{i}")
-        if warmup + i < microbatches:
-            order.append(f"F{warmup + i}")
-    return order
+    return one_f_one_b(stage, stages, microbatches, warmup_shortfall=1)
 
 
 def backward_first(stage, stages, microbatches):  # the last stage runs B0 before F0
