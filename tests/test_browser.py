@@ -116,7 +116,17 @@ def browser():
 
 
 def _kernel_processes(server: psutil.Process) -> list[psutil.Process]:
-    return [p for p in server.children() if "ipykernel" in " ".join(p.cmdline())]
+    """The live kernels of `server`. A kernel that was just restarted or shut down can linger as a zombie (or
+    vanish) until the server reaps it; it is no longer a kernel, so it is skipped rather than read."""
+    return [child for child in server.children() if "ipykernel" in _cmdline(child)]
+
+
+def _cmdline(process: psutil.Process) -> str:
+    """`process`'s command line, or "" once it has exited or is a zombie (psutil.ZombieProcess is a NoSuchProcess)."""
+    try:
+        return "" if process.status() == psutil.STATUS_ZOMBIE else " ".join(process.cmdline())
+    except psutil.NoSuchProcess:
+        return ""
 
 
 def _own_kernel(page, server: psutil.Process) -> psutil.Process:
@@ -124,7 +134,7 @@ def _own_kernel(page, server: psutil.Process) -> psutil.Process:
     kernel_id = page.evaluate("() => window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.id")
     deadline = time.monotonic() + 10  # a kernel that is restarting has no process for a moment
     while True:
-        found = [p for p in _kernel_processes(server) if f"kernel-{kernel_id}.json" in " ".join(p.cmdline())]
+        found = [p for p in _kernel_processes(server) if f"kernel-{kernel_id}.json" in _cmdline(p)]
         if len(found) == 1 or time.monotonic() > deadline:
             break
         time.sleep(0.2)
@@ -205,7 +215,11 @@ def _job_processes(server: psutil.Process) -> set[int]:
     """Agents and workers under the notebook's kernel: every descendant but the launch server itself."""
     pids = set()
     for kernel in _kernel_processes(server):
-        for process in kernel.children(recursive=True):
+        try:
+            children = kernel.children(recursive=True)
+        except psutil.Error:  # the kernel exited since it was listed
+            continue
+        for process in children:
             try:
                 if "helpers.launcher.server" not in " ".join(process.cmdline()) or process.ppid() != kernel.pid:
                     pids.add(process.pid)
