@@ -161,7 +161,8 @@ def op_dtypes(device_type: str = "cpu", dtype: torch.dtype = torch.bfloat16) -> 
             "softmax": torch.softmax(low, dim=1),
             "log_softmax": F.log_softmax(low, dim=1),
             "layer_norm": F.layer_norm(low, (8,)),
-            "mse_loss": F.mse_loss(low, b),
+            # both inputs lowered: an fp32 result is autocast's fp32 list at work, not type promotion
+            "mse_loss(lowered, lowered)": F.mse_loss(low, low),
             "cross_entropy": F.cross_entropy(low, targets),
             # index_copy has no type promotion of its own: outside autocast, a bf16 self with an fp32 source
             # raises "expected to have the same dtype". Autocast's promote policy casts both to fp32 first.
@@ -179,6 +180,82 @@ def index_copy_without_autocast() -> str:
         return str(torch.index_copy(low, 0, torch.tensor([0, 1]), a[:2]).dtype)
     except RuntimeError as error:
         return str(error)
+
+
+def saved_tensor_bytes(model: nn.Module, images: torch.Tensor, labels: torch.Tensor,
+                       dtype: torch.dtype | None) -> dict[str, int]:
+    """Bytes of the tensors autograd saves for backward in one forward pass, by kind and dtype.
+
+    `dtype=None` runs in fp32 without autocast. torch.autograd.graph.saved_tensors_hooks sees every tensor an op
+    saves; each storage is counted once (a ReLU output saved by two ops is one tensor in memory). The parameters
+    themselves are left out (they exist with or without a forward pass), and so are views of them (a Linear
+    layer saves its weight's transpose); a 16-bit cast of a parameter (a tensor
+    made by ToCopyBackward0 from a leaf, or a view of one) is counted apart, as "16-bit weight casts". Keys: "activations
+    <dtype>" and "16-bit weight casts"."""
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: set[int] = set()
+    sizes: dict[str, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        address = t.untyped_storage().data_ptr()
+        if address in parameters or address in seen:
+            return t
+        seen.add(address)
+        node = (t._base if t._base is not None else t).grad_fn  # a view (Linear saves weight.t()): its base's
+        is_cast = (node is not None and type(node).__name__ == "ToCopyBackward0"
+                   and any(type(n).__name__ == "AccumulateGrad" for n, _ in node.next_functions if n is not None))
+        kind = "16-bit weight casts" if is_cast else f"activations {str(t.dtype).removeprefix('torch.')}"
+        sizes[kind] = sizes.get(kind, 0) + t.nbytes  # the tensor's bytes (a batch may be a view of a bigger one)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            loss = F.cross_entropy(model(images), labels)
+    del loss
+    return dict(sorted(sizes.items()))
+
+
+def parameter_bytes_at_end_of_forward(model: nn.Module, images: torch.Tensor, labels: torch.Tensor,
+                                      zero_grad_before_forward: bool,
+                                      dtype: torch.dtype = torch.bfloat16) -> dict[str, float]:
+    """Bytes per parameter alive at the end of the second forward pass of a bf16 autocast loop with Adam.
+
+    Runs one full step (forward, zero_grad(set_to_none=True), backward, step), then the second step's forward
+    pass, with zero_grad either before that forward pass or (as the lesson's workers do) after it. Counts, at the
+    end of that forward pass inside autocast: the fp32 weights, the .grad tensors that exist, Adam's state, and
+    the 16-bit casts of the parameters still alive (cast_names_alive's method: weak references to what
+    aten._to_copy made from a parameter)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    optimizer = torch.optim.Adam(model.parameters())
+    count = sum(p.numel() for p in model.parameters())
+    casts: list[weakref.ref] = []
+
+    class KeepParameterCasts(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten._to_copy.default and isinstance(args[0], nn.Parameter):
+                casts.append(weakref.ref(out))
+            return out
+
+    with torch.autocast("cpu", dtype=dtype):
+        loss = F.cross_entropy(model(images), labels)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    if zero_grad_before_forward:
+        optimizer.zero_grad(set_to_none=True)
+    with KeepParameterCasts():
+        with torch.autocast("cpu", dtype=dtype):
+            loss = F.cross_entropy(model(images), labels)
+            gc.collect()
+            cast_bytes = sum(t.untyped_storage().nbytes() for ref in casts if (t := ref()) is not None)
+    held = bytes_per_parameter(model, optimizer)
+    held["16-bit casts of the weights"] = cast_bytes / count
+    if not zero_grad_before_forward:
+        optimizer.zero_grad(set_to_none=True)  # where the workers call it: after the forward pass
+    loss.backward()
+    return held
 
 
 def parameter_casts(contexts: int, passes_per_context: int, cache_enabled: bool = True) -> int:
@@ -330,38 +407,75 @@ def _same(model_a: nn.Module, model_b: nn.Module) -> bool:
 def check_amp_train_step(train_step: Callable, max_norm: float = 0.1) -> bool:
     """Run `train_step(model, optimizer, scaler, images, labels, max_norm)` against the correct AMP step.
 
-    Prints one line, "Correct: ..." or "Not yet: " and everything still wrong; returns True only if all is right."""
+    Prints one line, "Correct: ..." or "Not yet: " and everything still wrong; returns True only if all is right.
+    While `train_step` runs, a forward hook records whether autocast was on and with which dtype
+    (torch.get_autocast_dtype), and clip_grad_norm_'s clipping function (torch/nn/utils/clip_grad.py,
+    `_clip_grads_with_norm_`, which clip_grad_norm_ calls however it was imported) is wrapped to record whether
+    the scaler had unscaled this optimizer's gradients yet (GradScaler's per-optimizer stage, OptState.UNSCALED,
+    torch/amp/grad_scaler.py); scaler.scale is wrapped to count its calls."""
+    from torch.amp.grad_scaler import OptState
+    from torch.nn.utils import clip_grad
+
     problems: dict[str, list[str]] = {}  # what is wrong -> in which cases
     for case, init_scale in (("a normal step", 2.0 ** 8), ("an overflowing step", 2.0 ** 60)):
         model, optimizer, scaler, images, labels = _setup(init_scale)
         ref_model, ref_scaler = copy.deepcopy(model), torch.amp.GradScaler("cpu", init_scale=init_scale)
         ref_optimizer = torch.optim.SGD(ref_model.parameters(), lr=0.5)
         before = copy.deepcopy(model)
-        autocast_seen: list[bool] = []
-        model.register_forward_hook(lambda *_, seen=autocast_seen: seen.append(torch.is_autocast_enabled("cpu")))
-        train_step(model, optimizer, scaler, images, labels, max_norm)
+        autocast_seen: list[torch.dtype | None] = []  # the autocast dtype in force at each forward pass, or None
+        model.register_forward_hook(lambda *_, seen=autocast_seen: seen.append(
+            torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None))
+        clips: list[bool] = []  # one entry per clipping: were the gradients unscaled at that moment?
+        clip_function = clip_grad._clip_grads_with_norm_
+
+        def recording_clip(*args, clips=clips, scaler=scaler, optimizer=optimizer, **kwargs):
+            state = scaler._per_optimizer_states[id(optimizer)]
+            clips.append(state["stage"] is OptState.UNSCALED)
+            return clip_function(*args, **kwargs)
+
+        scale_calls: list[int] = []
+        scale_method = scaler.scale
+        scaler.scale = lambda outputs, calls=scale_calls, method=scale_method: calls.append(1) or method(outputs)
+        clip_grad._clip_grads_with_norm_ = recording_clip
+        try:
+            train_step(model, optimizer, scaler, images, labels, max_norm)
+        finally:
+            clip_grad._clip_grads_with_norm_ = clip_function
         _reference_step(ref_model, ref_optimizer, ref_scaler, images, labels, max_norm)
         found = []
-        if not autocast_seen or not all(autocast_seen):
+        wrong_dtype = False
+        if not autocast_seen or None in autocast_seen:
             found.append("the forward pass did not run under torch.autocast")
-        if scaler.get_scale() != ref_scaler.get_scale():
+        elif any(dtype != torch.float16 for dtype in autocast_seen):
+            wrong_dtype = True
+            used = ", ".join(sorted({str(dtype) for dtype in autocast_seen if dtype != torch.float16}))
+            found.append(f"the forward pass ran under autocast with {used}; the exercise asks for "
+                         "torch.autocast(\"cpu\", dtype=torch.float16), the format that needs the GradScaler")
+        scale_wrong = scaler.get_scale() != ref_scaler.get_scale()
+        # in another dtype the overflowing batch need not overflow: the scale and the skip are checked in fp16 only
+        if scale_wrong and not wrong_dtype:
             found.append(f"the scale is {scaler.get_scale():g}, expected {ref_scaler.get_scale():g} (scale the"
                          " loss with scaler.scale(loss), and call scaler.update() once per step)")
+        if not clips:
+            found.append("clip_grad_norm_ was not called (clip after scaler.unscale_(optimizer))")
+        elif not all(clips) and scale_calls:  # without scaler.scale, unscale_ is not the next thing to fix
+            found.append("clip_grad_norm_ ran before scaler.unscale_(optimizer): it clipped the scaled gradients"
+                         " (call scaler.unscale_(optimizer) first, so that max_norm applies to the true gradients)")
         if not all(torch.isfinite(p).all() for p in model.parameters()):
             found.append("weights became inf/NaN (step with scaler.step(optimizer): it skips the step when"
                          " the gradients overflowed)")
-        elif case == "an overflowing step" and not _same(model, before):
+        elif case == "an overflowing step" and not wrong_dtype and not _same(model, before):
             found.append("weights changed although the gradients overflowed (use scaler.step(optimizer))")
         elif case == "a normal step" and not _same(model, ref_model):
-            if found:  # no autocast, or a wrong scale, changes the weights too: no hint about clipping yet
+            if found:  # no autocast, a wrong dtype or scale, or wrong clipping change the weights too
                 found.append("weights differ from the correct step (fix the other problems first: they change"
                              " the weights too)")
-            else:  # forward and scale are right: what is left to move the weights is clipping scaled gradients
-                found.append("weights differ from the correct step (call scaler.unscale_(optimizer) before"
-                             " clip_grad_norm_, so that max_norm applies to the true gradients)")
+            else:  # autocast, scale and clipping order are right: something else moved the weights
+                found.append("weights differ from the correct step (pass max_norm to clip_grad_norm_, call"
+                             " optimizer.zero_grad() before backward, and step once with scaler.step(optimizer))")
         for problem in found:
             problems.setdefault(problem, []).append(case)
     if problems:
         return not_yet("; ".join(f"{problem} (in {' and in '.join(cases)})" for problem, cases in problems.items()))
-    return correct("autocast forward, scaled backward, unscale_ before clipping, skipped step on overflow, "
+    return correct("fp16 autocast forward, scaled backward, unscale_ before clipping, skipped step on overflow, "
                    "scale updated.")

@@ -14,7 +14,9 @@ from helpers.amp import (
     layer_dtypes,
     onednn_convolutions,
     op_dtypes,
+    parameter_bytes_at_end_of_forward,
     parameter_casts,
+    saved_tensor_bytes,
     underflow_fraction,
 )
 from helpers.models import SimpleModel
@@ -42,14 +44,15 @@ def test_autocast_lowers_layers_and_keeps_losses_fp32() -> None:
     assert op_dtypes()["cross_entropy"] == "torch.float32"
 
 
-def _step(model, optimizer, scaler, images, labels, max_norm, unscale_first=True):
-    with torch.autocast("cpu", dtype=torch.float16):
+def _step(model, optimizer, scaler, images, labels, max_norm, unscale_first=True, dtype=torch.float16, clip=True):
+    with torch.autocast("cpu", dtype=dtype):
         loss = F.cross_entropy(model(images), labels)
     optimizer.zero_grad()
     scaler.scale(loss).backward()
     if unscale_first:
         scaler.unscale_(optimizer)
-    nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if clip:
+        nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     scaler.step(optimizer)
     scaler.update()
     return loss.item()
@@ -59,6 +62,40 @@ def test_check_accepts_the_right_step_and_catches_clipping_before_unscale(capsys
     assert check_amp_train_step(_step)
     assert not check_amp_train_step(lambda *a: _step(*a, unscale_first=False))
     assert "unscale_" in capsys.readouterr().out
+
+
+def test_check_names_bf16_instead_of_fp16_and_gives_no_scaler_hints(capsys) -> None:
+    # a learner who wrote dtype=torch.bfloat16 and otherwise the right step: bf16 does not overflow where fp16
+    # does, so a check that only compared scales and skipped steps would blame scaler.update / scaler.step
+    assert not check_amp_train_step(lambda *a: _step(*a, dtype=torch.bfloat16))
+    out = capsys.readouterr().out
+    assert "torch.bfloat16" in out and "float16" in out
+    assert "scaler.update()" not in out and "use scaler.step" not in out and "unscale_" not in out
+
+
+def test_check_says_clipping_is_missing_not_misplaced(capsys) -> None:
+    assert not check_amp_train_step(lambda *a: _step(*a, clip=False))
+    out = capsys.readouterr().out
+    assert "clip_grad_norm_ was not called" in out and "ran before" not in out
+
+
+def test_check_sees_clipping_however_it_was_imported(capsys) -> None:
+    from torch.nn.utils import clip_grad_norm_
+
+    def step(model, optimizer, scaler, images, labels, max_norm):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.cross_entropy(model(images), labels)
+        optimizer.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        clip_grad_norm_(model.parameters(), max_norm)
+        scaler.step(optimizer)
+        scaler.update()
+        return loss.item()
+
+    assert check_amp_train_step(step)
+    assert not check_amp_train_step(lambda *a: _step(*a, unscale_first=False))
+    assert "ran before scaler.unscale_" in capsys.readouterr().out
 
 
 def test_check_gives_no_clipping_hint_when_autocast_is_missing(capsys) -> None:
@@ -106,9 +143,38 @@ def test_autocast_parameter_casts_live_until_backward() -> None:
 
 def test_op_dtypes_separates_autocast_promote_from_type_promotion() -> None:
     dtypes = op_dtypes()
+    assert dtypes["mse_loss(lowered, lowered)"] == "torch.float32"  # both inputs bf16: autocast's fp32 list
+    low = torch.rand(4, 4).bfloat16()
+    assert F.mse_loss(low, low).dtype == torch.bfloat16  # outside autocast the same call stays bf16
     assert dtypes["index_copy(lowered, fp32) (autocast: promote)"] == "torch.float32"
     assert "same dtype" in index_copy_without_autocast()  # the same call outside autocast is refused
     assert dtypes["add lowered + fp32 (ordinary promotion)"] == "torch.float32"
+
+
+def test_saved_tensor_bytes_halves_the_floating_activations_under_bf16() -> None:
+    from helpers.models import SmallCNN
+
+    images, labels = torch.rand(8, 1, 28, 28), torch.randint(0, 10, (8,))
+    torch.manual_seed(0)
+    fp32 = saved_tensor_bytes(SmallCNN(), images, labels, None)
+    torch.manual_seed(0)
+    bf16 = saved_tensor_bytes(SmallCNN(), images, labels, torch.bfloat16)
+    assert "16-bit weight casts" not in fp32 and bf16["16-bit weight casts"] > 0
+    assert fp32["activations int64"] == bf16["activations int64"]  # max-pool indices and labels: not lowered
+    # the loss's log_softmax stays fp32 under autocast; everything else floating is saved in bf16, at half the bytes
+    assert bf16["activations bfloat16"] * 2 == fp32["activations float32"] - bf16["activations float32"]
+
+
+def test_parameter_bytes_at_end_of_forward_depend_on_where_zero_grad_runs() -> None:
+    from helpers.models import SmallCNN
+
+    images, labels = torch.rand(8, 1, 28, 28), torch.randint(0, 10, (8,))
+    torch.manual_seed(0)
+    before = parameter_bytes_at_end_of_forward(SmallCNN(), images, labels, zero_grad_before_forward=True)
+    torch.manual_seed(0)
+    after = parameter_bytes_at_end_of_forward(SmallCNN(), images, labels, zero_grad_before_forward=False)
+    assert sum(before.values()) == 14 and before["gradients"] == 0
+    assert sum(after.values()) == 18 and after["gradients"] == 4
 
 
 def test_onednn_convolutions_reads_the_verbose_lines() -> None:
