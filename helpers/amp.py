@@ -216,12 +216,12 @@ def saved_tensor_bytes(model: nn.Module, images: torch.Tensor, labels: torch.Ten
 
 
 def parameter_bytes_at_end_of_forward(model: nn.Module, images: torch.Tensor, labels: torch.Tensor,
-                                      zero_grad_before_forward: bool,
+                                      zero_grad_before_forward: bool, set_to_none: bool = True,
                                       dtype: torch.dtype = torch.bfloat16) -> dict[str, float]:
     """Bytes per parameter alive at the end of the second forward pass of a bf16 autocast loop with Adam.
 
-    Runs one full step (forward, zero_grad(set_to_none=True), backward, step), then the second step's forward
-    pass, with zero_grad either before that forward pass or (as the lesson's workers do) after it. Counts, at the
+    Runs one full step (forward, zero_grad(set_to_none), backward, step), then the second step's forward
+    pass, with zero_grad(set_to_none) either before that forward pass or (as the lesson's workers do) after it. Counts, at the
     end of that forward pass inside autocast: the fp32 weights, the .grad tensors that exist, Adam's state, and
     the 16-bit casts of the parameters still alive (cast_names_alive's method: weak references to what
     aten._to_copy made from a parameter)."""
@@ -240,11 +240,11 @@ def parameter_bytes_at_end_of_forward(model: nn.Module, images: torch.Tensor, la
 
     with torch.autocast("cpu", dtype=dtype):
         loss = F.cross_entropy(model(images), labels)
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=set_to_none)
     loss.backward()
     optimizer.step()
     if zero_grad_before_forward:
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=set_to_none)
     with KeepParameterCasts():
         with torch.autocast("cpu", dtype=dtype):
             loss = F.cross_entropy(model(images), labels)
@@ -253,7 +253,7 @@ def parameter_bytes_at_end_of_forward(model: nn.Module, images: torch.Tensor, la
     held = bytes_per_parameter(model, optimizer)
     held["16-bit casts of the weights"] = cast_bytes / count
     if not zero_grad_before_forward:
-        optimizer.zero_grad(set_to_none=True)  # where the workers call it: after the forward pass
+        optimizer.zero_grad(set_to_none=set_to_none)  # where the workers call it: after the forward pass
     loss.backward()
     return held
 

@@ -175,6 +175,10 @@ def test_parameter_bytes_at_end_of_forward_depend_on_where_zero_grad_runs() -> N
     after = parameter_bytes_at_end_of_forward(SmallCNN(), images, labels, zero_grad_before_forward=False)
     assert sum(before.values()) == 14 and before["gradients"] == 0
     assert sum(after.values()) == 18 and after["gradients"] == 4
+    torch.manual_seed(0)
+    kept = parameter_bytes_at_end_of_forward(SmallCNN(), images, labels, zero_grad_before_forward=True,
+                                             set_to_none=False)
+    assert sum(kept.values()) == 18 and kept["gradients"] == 4  # zeroed in place, still allocated
 
 
 def test_onednn_convolutions_reads_the_verbose_lines() -> None:
