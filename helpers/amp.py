@@ -409,10 +409,11 @@ def check_amp_train_step(train_step: Callable, max_norm: float = 0.1) -> bool:
 
     Prints one line, "Correct: ..." or "Not yet: " and everything still wrong; returns True only if all is right.
     While `train_step` runs, a forward hook records whether autocast was on and with which dtype
-    (torch.get_autocast_dtype), and clip_grad_norm_'s clipping function (torch/nn/utils/clip_grad.py,
-    `_clip_grads_with_norm_`, which clip_grad_norm_ calls however it was imported) is wrapped to record whether
-    the scaler had unscaled this optimizer's gradients yet (GradScaler's per-optimizer stage, OptState.UNSCALED,
-    torch/amp/grad_scaler.py); scaler.scale is wrapped to count its calls."""
+    (torch.get_autocast_dtype), and clip_grad_norm_'s clipping function (`_clip_grads_with_norm_`, which
+    clip_grad_norm_ calls at torch/nn/utils/clip_grad.py:231, however clip_grad_norm_ itself was imported) is
+    wrapped to record whether the scaler had unscaled this optimizer's gradients yet (GradScaler's per-optimizer
+    stage, OptState.UNSCALED, set by unscale_ at torch/amp/grad_scaler.py:361); scaler.scale is wrapped to count
+    its calls."""
     from torch.amp.grad_scaler import OptState
     from torch.nn.utils import clip_grad
 
