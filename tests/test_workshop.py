@@ -185,3 +185,42 @@ def test_preflight_notes_other_users_kernels_on_the_same_loopback():
                  {"username": "dan", "cmdline": ["bash"], "network": "net:[1]"}]      # not a kernel
     assert preflight.shared_kernels(processes, "me", "net:[1]") == ["ana", "cho"]
     assert preflight.shared_kernels(processes[1:2], "me", "net:[1]") == []  # catches a check that ignores namespaces
+
+
+FIRST_LESSONS = ("00_start_here.ipynb", "01_collectives.ipynb", "02_ddp.ipynb")
+
+
+def test_the_first_lessons_point_to_no_file_the_student_copy_lacks_and_word_checks_for_learners(student_copy):
+    # SEED-CLAIMS.md lives outside the repository: a hand-out that cites its rows sends the learner to nothing.
+    # Check cells say what they would catch in a learner's words ("this would fail if ..."), not a test suite's
+    # ("catches a ...", "fails if ...").
+    maintainer_voice = re.compile(r"#\s*(catches\b|fails if\b)", re.IGNORECASE)
+    for name in FIRST_LESSONS:
+        notebook = _notebooks(student_copy)[name]
+        assert "SEED-CLAIMS" not in _text(notebook), name
+        voiced = [line for cell in notebook["cells"] if cell["cell_type"] == "code"
+                  for line in "".join(cell["source"]).splitlines() if maintainer_voice.search(line)]
+        assert not voiced, f"{name}: {voiced}"
+
+
+def test_lesson_00_keeps_torch_citations_in_folds(student_copy):
+    # every torch file:line citation of lesson 00 stays, inside a "Where this is in torch's source" fold
+    cells = _notebooks(student_copy)["00_start_here.ipynb"]["cells"]
+    cited = 0
+    for cell in cells:
+        if cell["cell_type"] != "markdown":
+            continue
+        text = "".join(cell["source"])
+        outside = re.sub(r"<details><summary>Where this is in torch's source</summary>.*?</details>", "", text,
+                         flags=re.DOTALL)
+        assert not re.search(r"\.py:\d", outside), text[:200]
+        cited += len(re.findall(r"\.py:\d", text))
+    assert cited >= 10, "the citations were dropped, not folded"
+
+
+def test_lesson_02_links_the_exercise_file_only_after_the_cell_that_writes_it(student_copy):
+    cells = _notebooks(student_copy)["02_ddp.ipynb"]["cells"]
+    writer = next(i for i, c in enumerate(cells) if 'Path("my_ddp_worker.py")' in "".join(c["source"]))
+    links = [i for i, c in enumerate(cells) if c["cell_type"] == "markdown"
+             and "](my_ddp_worker.py)" in "".join(c["source"])]
+    assert links and all(i > writer for i in links), (writer, links)

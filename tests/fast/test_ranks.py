@@ -1,9 +1,10 @@
 """Lesson 00's exercise check: it says "Not yet" on the starting code and on plausible wrong formulas; and the
 learner's copy of lesson 00 does not give the formula away."""
 import json
+import re
 
 from helpers import REPO_ROOT
-from helpers.ranks import check_global_rank, torchrun_rank
+from helpers.ranks import check_global_rank, torch_ranks
 from helpers.tools.workshop import student_cells
 
 # what whoami.py hands back for two nodes of two processes (only the fields the check reads)
@@ -26,8 +27,15 @@ def test_check_accepts_the_rule_and_rejects_the_start_and_wrong_formulas(capsys)
         assert capsys.readouterr().out.startswith("Not yet: ")
 
 
-def test_torchrun_rule_counts_every_process_of_the_nodes_before():
-    assert [torchrun_rank(node, local, [2, 3]) for node, local in [(0, 0), (0, 1), (1, 0), (1, 2)]] == [0, 1, 2, 4]
+def test_torch_ranks_counts_every_process_of_the_nodes_before():
+    # torch's own agents, with uneven nodes: node 1's ranks come after node 0's 2 processes
+    assert torch_ranks([2, 3]) == {(0, 0): 0, (0, 1): 1, (1, 0): 2, (1, 1): 3, (1, 2): 4}
+
+
+def test_the_module_the_exercise_names_holds_no_formula():
+    # lesson 00's exercise names helpers/ranks.py; the learner's copy of it must not hold the answer
+    source = (REPO_ROOT / "helpers" / "ranks.py").read_text(encoding="utf-8")
+    assert not re.search(r"\+\s*local_rank|local_rank\s*\+|\*\s*n?procs?_per_node|procs_per_node\[:", source)
 
 
 def test_the_student_copy_of_lesson_00_does_not_give_the_formula_away():
