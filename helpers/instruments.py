@@ -60,7 +60,9 @@ class SavedActivations:
     `bytes`: everything saved while the context was on. `live`/`peak`: what is saved and not yet freed,
     now and at most (autograd drops saved tensors once the backward that needs them has run). Counted with
     `torch.autograd.graph.saved_tensors_hooks`, which sees every tensor autograd saves outside a
-    `torch.utils.checkpoint` region (inside one, the checkpoint's own hooks take over).
+    `torch.utils.checkpoint` region (inside one, the checkpoint's own hooks take over; the tensors that selective
+    activation checkpointing saves bypass these hooks in torch 2.14.1 unless checkpoint() gets
+    respect_saved_tensors_hooks=True, torch/utils/checkpoint.py:554-566).
     """
 
     def __init__(self, model: nn.Module) -> None:
