@@ -60,7 +60,9 @@ class SavedActivations:
     `bytes`: everything saved while the context was on. `live`/`peak`: what is saved and not yet freed,
     now and at most (autograd drops saved tensors once the backward that needs them has run). Counted with
     `torch.autograd.graph.saved_tensors_hooks`, which sees every tensor autograd saves outside a
-    `torch.utils.checkpoint` region (inside one, the checkpoint's own hooks take over).
+    `torch.utils.checkpoint` region (inside one, the checkpoint's own hooks take over; the tensors that selective
+    activation checkpointing saves bypass these hooks in torch 2.14.1 unless checkpoint() gets
+    respect_saved_tensors_hooks=True, torch/utils/checkpoint.py:554-566).
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -168,12 +170,28 @@ class Stopwatch(nn.Module):
         self.stage = stage
         self.times: list[tuple[str, float]] = []
         self.cpu_times: list[float] = []
+        self._input_marked = True
+        # The first stage gets plain data, which needs no gradient (torch's PipelineStage passes it as it is).
+        # Its backward ends when the gradients of all its parameters are computed: a multi-grad hook notes that
+        # moment, so the stage computes no input gradient that torch would not.
+        trained = [p for p in stage.parameters() if p.requires_grad]
+        if trained:
+            torch.autograd.graph.register_multi_grad_hook(trained, self._parameters_done)
+
+    def _note(self, label: str) -> None:
+        self.times.append((label, time.time()))
+        self.cpu_times.append(time.thread_time())
+
+    def _parameters_done(self, _grads: Any) -> None:
+        if not self._input_marked:  # a stage whose input has a gradient marks its backward's end there
+            self._note("backward start")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The first stage gets plain data; asking for its gradient is what makes "backward start" fire.
-        # An artefact of this instrument: the first stage's backward then also computes its input's gradient,
-        # which torch's PipelineStage would not (lesson 07 section 4 says so where it reads the compute times).
-        x = _Mark.apply(x if x.requires_grad else x.detach().requires_grad_(), self, "start")
+        self._input_marked = x.requires_grad
+        if self._input_marked:
+            x = _Mark.apply(x, self, "start")
+        else:
+            self._note("forward start")
         return _Mark.apply(self.stage(x), self, "end")
 
     def intervals(self) -> list[tuple[str, float, float]]:

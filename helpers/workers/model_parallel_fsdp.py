@@ -4,7 +4,10 @@
 
 `fully_shard` is applied to every Linear layer, then to the whole model. Each rank records the shapes
 it holds, counts the all-gathers and reduce-scatters of each step (by wrapping the two functions FSDP
-calls), and trains a DDP copy on the same data to check that parameters stay equal. Last, one step of a
+calls), and trains a DDP copy on the same data with plain SGD: before each optimizer step it compares the
+gradients (FSDP's sharded gradients gathered with full_tensor() against DDP's .grad), and after the last step
+the parameters. SGD, not Adam: Adam divides each update by the root of its running squared gradient, so a
+gradient twice too large moves the weights almost as much; SGD moves them twice as far. Last, one step of a
 copy sharded with MixedPrecisionPolicy(param_dtype=torch.bfloat16): its all-gathers and reduce-scatters
 move bf16 (2 bytes per value), and its loss is compared with the fp32 model's; one step of a copy
 with reshard_after_forward=False, which gathers each layer once per step; and one step of a copy sharded
@@ -71,25 +74,30 @@ def main() -> None:
 
     model = shard(mlp(args.width, args.hidden_layers).to(device), MixedPrecisionPolicy())
     ddp_model = DDP(mlp(args.width, args.hidden_layers).to(device))  # same seed: same starting weights
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    ddp_optimizer = torch.optim.Adam(ddp_model.parameters(), lr=1e-3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ddp_optimizer = torch.optim.SGD(ddp_model.parameters(), lr=0.1)
     shards = {name: {"full": list(p.shape), "local": list(p.to_local().shape)}
               for name, p in model.named_parameters()}
 
     per_rank_batch = args.global_batch // world_size
     generator = torch.Generator().manual_seed(rank)  # each rank its own data, as in DDP
-    per_step = []
+    per_step, grad_diffs, grad_sizes = [], [], []
     for step in range(args.steps):
         images = torch.rand(per_rank_batch, 1, 28, 28, generator=generator).to(device)
         labels = torch.randint(0, 10, (per_rank_batch,), generator=generator).to(device)
         traffic.clear()
         loss = nn.functional.cross_entropy(model(images), labels)
         loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
         per_step.append(dict(traffic))
         ddp_loss = nn.functional.cross_entropy(ddp_model(images), labels)
         ddp_loss.backward()
+        # Before the step: FSDP's reduce-scattered gradient shards, gathered (full_tensor() is a collective,
+        # outside the counted traffic), against DDP's all-reduced gradients.
+        ddp_grads = [p.grad for p in ddp_model.parameters()]
+        grad_diffs.append(max_abs_diff([p.grad.full_tensor() for p in model.parameters()], ddp_grads))
+        grad_sizes.append(max(g.abs().max().item() for g in ddp_grads))
+        optimizer.step()
+        optimizer.zero_grad()
         ddp_optimizer.step()
         ddp_optimizer.zero_grad()
         report(step=step, loss=loss.item(), ddp_loss=ddp_loss.item())
@@ -116,7 +124,7 @@ def main() -> None:
         extra[name] = dict(traffic)
     result(shards=shards, traffic=per_step, bf16_traffic=extra["bf16"], no_reshard_traffic=extra["no_reshard"],
            default_traffic=extra["default"], root_params=root_params, reduce_ops=sorted(reduce_ops),
-           max_param_diff=max_diff,
+           max_param_diff=max_diff, grad_diffs=grad_diffs, grad_sizes=grad_sizes,
            n_params=sum(q.numel() for q in ddp_model.parameters()),
            bf16_loss_diff=abs(losses["bf16"].item() - losses["fp32"].item()),
            bf16_sharded_dtype=str(next(bf16_model.parameters()).dtype))

@@ -9,7 +9,9 @@ For each mode: one training step on random data, then each rank adds up the byte
 Then two extras that the sums above leave out, measured as the bytes of storage alive:
 - DDP's gradient buckets, a standing cost (one flat buffer per bucket, allocated when DDP builds its buckets and
   kept for the DDP object's lifetime, on top of the .grad tensors unless
-  gradient_as_bucket_view=True makes the .grad tensors views into the buckets);
+  gradient_as_bucket_view=True makes the .grad tensors views into the buckets); a comm hook notes each bucket's
+  storage, and since that note is a reference of ours, the worker also reports how many references besides
+  ours hold each bucket once zero_grad() has freed the .grad tensors;
 - FSDP's gathered (unsharded) parameters while a step runs, a temporary cost, with and without reshard_after_forward
   (their storages, FSDPParam.all_gather_outputs; not the flat buffer an all-gather first receives into).
 Works with one process.
@@ -96,8 +98,20 @@ def ddp_gradient_storage(args: argparse.Namespace, rank: int, world_size: int, d
         nn.functional.cross_entropy(model(images), labels).backward()
     storages = {p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage().nbytes() for p in model.parameters()}
     storages.update({s.data_ptr(): s.nbytes() for s in buckets.values()})
-    return {"grads": held_bytes(p.grad for p in model.parameters()), "grads_and_buckets": sum(storages.values()),
-            "buckets": len(buckets)}
+    grads = held_bytes(p.grad for p in model.parameters())
+    # Our hook holds a reference to each bucket's storage, so the sum above could count a bucket only we kept.
+    # Who else holds it: the storage's reference count minus ours (torch._C._storage_Use_Count, a private
+    # function), after zero_grad() has freed the .grad tensors (set_to_none=True). The first .grad's storage,
+    # held the same way, is the control: a storage nobody else keeps drops to 0.
+    grad_storage = next(model.parameters()).grad.untyped_storage()
+    model.zero_grad()
+
+    def held_by_others(storage: torch.UntypedStorage) -> int:
+        return torch._C._storage_Use_Count(storage._cdata) - 1  # minus our own reference
+
+    return {"grads": grads, "grads_and_buckets": sum(storages.values()), "buckets": len(buckets),
+            "bucket_holders_after_zero_grad": min(held_by_others(s) for s in buckets.values()),
+            "grad_holders_after_zero_grad": held_by_others(grad_storage)}
 
 
 def fsdp_gathered_peak(args: argparse.Namespace, rank: int, world_size: int, device: torch.device,

@@ -164,7 +164,8 @@ def main() -> None:
     message = message_seconds((args.global_batch // max(args.microbatches), args.width), device)
     send_wait = send_while_receiver_sleeps((args.global_batch // max(args.microbatches), args.width), device)
     result(timelines=timelines, checks=checks, activations=activations, loss=unsplit_loss.item(),
-           message_seconds=message, send_while_receiver_sleeps=send_wait, backend=dist.get_backend())
+           message_seconds=message, send_while_receiver_sleeps=send_wait, backend=dist.get_backend(),
+           threads=torch.get_num_threads())
     dist.destroy_process_group()
 
 

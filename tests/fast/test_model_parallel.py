@@ -176,3 +176,42 @@ def test_1f1b_slots_come_from_torchs_own_schedule():
     assert last == [action for i in range(8) for action in (f"F{i}", f"B{i}")]
     with pytest.raises(ValueError, match="at least as many micro-batches as stages"):
         pipeline_schedule(3, 2, "1f1b")
+
+
+def test_stopwatch_gives_the_first_stage_no_input_gradient():
+    """A first stage (plain data) is timed without computing its input's gradient; a later stage is marked once."""
+    from torch import nn
+
+    from helpers.instruments import Stopwatch
+
+    input_gradients = []
+
+    class Probe(torch.autograd.Function):  # identity that notes every gradient computed for the stage's input
+        @staticmethod
+        def forward(ctx, tensor):
+            return tensor.view_as(tensor)
+
+        @staticmethod
+        def backward(ctx, grad):
+            input_gradients.append(grad)
+            return grad
+
+    class ProbeInput(nn.Module):
+        def forward(self, tensor):
+            return Probe.apply(tensor)
+
+    first = Stopwatch(nn.Sequential(ProbeInput(), nn.Flatten(), nn.Linear(784, 8)))
+    images = torch.rand(4, 1, 28, 28)
+    outputs = [first(chunk) for chunk in images.chunk(2)]
+    for output in outputs:
+        output.sum().backward()
+    # Catches an instrument that makes the first stage's input require a gradient (as torch's PipelineStage does not)
+    assert input_gradients == []
+    assert [kind for kind, _, _ in first.intervals()] == ["forward", "forward", "backward", "backward"]
+    assert all(start <= end for _, start, end in first.intervals()) and len(first.cpu_seconds()) == 4
+
+    later = Stopwatch(nn.Linear(8, 2))
+    activations = torch.rand(4, 8, requires_grad=True)
+    later(activations).sum().backward()
+    assert activations.grad is not None  # a later stage still sends its input's gradient back
+    assert [kind for kind, _, _ in later.intervals()] == ["forward", "backward"]  # no second backward mark
