@@ -126,21 +126,30 @@ def _one_process_reference() -> dict:
     return launch(WORKERS / "ddp_exercise_single.py", nproc=1, echo=False).results[0]
 
 
-def check_ddp_worker(script: str | Path, nproc: int = 2) -> bool:
+def check_ddp_worker(script: str | Path, nproc: int = 2, timeout: float = 60) -> bool:
     """Launch the learner's DDP version of ddp_exercise_single.py on `nproc` ranks; say what is still missing.
 
     Prints one line, "Correct: ..." or "Not yet: ...". The untouched starting script gets "Not yet":
     on 2 ranks it runs twice, each copy on all the data. Both ways of averaging pass: DDP, or all_reduce
     of every gradient by hand (ddp_exercise_solution.py, ddp_exercise_by_hand_solution.py).
     """
-    from helpers.launcher.api import WorkerFailed, launch
+    from helpers.launcher.api import LaunchTimeout, WorkerFailed, launch
 
     script = Path(script)
     if not script.is_file():
         return not_yet(f"{script} does not exist yet: write your DDP worker there first.")
     reference = _one_process_reference()
+    print(f"Running {script.name} on {nproc} ranks (usually 5 to 15 s; the check gives up after {timeout:g} s). "
+          f"If nothing comes back within {min(30, timeout):g} s, press Stop (■): the launcher then says where each rank is "
+          "waiting.", flush=True)
     try:
-        run = launch(script, nproc=nproc, echo=False, timeout=120)
+        run = launch(script, nproc=nproc, echo=False, timeout=timeout)
+    except LaunchTimeout as error:
+        where = "; ".join(f"rank {rank}: {line}" for rank, line in sorted(error.where.items()))
+        return not_yet(f"your script was still running after {timeout:g} s. A collective that not every rank "
+                       f"calls (say, all_reduce or broadcast inside `if rank == 0:`) waits forever for the others. "
+                       f"Where each rank was: {where or 'unknown'}. Next time, press Stop (■) as soon as it "
+                       "seems stuck: the launcher says the same at once.")
     except WorkerFailed as error:
         return not_yet(f"your script failed on {nproc} ranks: {last_error_line(error)}")
     if sorted(run.results) != list(range(nproc)) or any("weights" not in r for r in run.results.values()):
@@ -161,5 +170,10 @@ def check_ddp_worker(script: str | Path, nproc: int = 2) -> bool:
                        f"{diff:.1e}): use a per-rank batch of GLOBAL_BATCH // world_size and "
                        f"DistributedSampler(shuffle=False); averaging by hand, divide the all_reduce's sum by "
                        f"world_size.")
+    printed = {rank: text.strip().splitlines() for rank, text in run.logs.items() if rank != 0 and text.strip()}
+    if printed:  # e.g. the original print() left outside `if rank == 0:`: every rank prints the same line
+        rank, lines = min(printed.items())
+        return not_yet(f"the training is right, but rank {rank} printed too ({lines[0]!r}): print only on rank 0 "
+                       f"(inside `if rank == 0:`), so that the output shows each line once.")
     return correct(f"each of {nproc} ranks trained on its own {share} of the {total} samples, the ranks end with "
                    f"identical weights, and those equal the one-process run (max abs diff below 1e-05).")
