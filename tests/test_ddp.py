@@ -61,13 +61,16 @@ def test_exercise_check_says_not_yet_on_the_start_and_correct_on_both_solutions(
     ("ddp_exercise_solution.py", "ddp_model = DDP(model)", "ddp_model = model",
      "wrap the model in DistributedDataParallel"),
     ("ddp_exercise_solution.py", "batch_size=GLOBAL_BATCH // world_size", "batch_size=GLOBAL_BATCH",
-     "GLOBAL_BATCH // world_size"),
+     "every step averaged 64 samples: use a per-rank batch of GLOBAL_BATCH // world_size"),
+    # DistributedSampler's default shuffles: the right samples per rank, in another order
+    ("ddp_exercise_solution.py", "DistributedSampler(train_set, shuffle=False)", "DistributedSampler(train_set)",
+     "default shuffled order: pass DistributedSampler(..., shuffle=False)"),
     # by hand: forgetting the all_reduce leaves each rank with its own gradients
     ("ddp_exercise_by_hand_solution.py", "dist.all_reduce(parameter.grad)", "pass",
      "all_reduce every parameter's .grad and divide it by world_size"),
     # by hand: the sum of the gradients, not their mean, is a step twice as large
     ("ddp_exercise_by_hand_solution.py", "parameter.grad /= world_size", "pass",
-     "divide the all_reduce's sum by world_size"),
+     "summed over the ranks and not averaged: divide the all_reduce's sum by world_size"),
 ])
 def test_exercise_check_names_what_is_missing(tmp_path, capsys, solution, mistake, replacement, message):
     solution = (WORKERS / solution).read_text()
