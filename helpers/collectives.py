@@ -239,6 +239,11 @@ def check_all_gather(script: str | Path, nproc: int = 3, timeout: float = 60) ->
                 got[other] == expected[other] for other in range(nproc) if other != rank):
             return not_yet(f"rank {rank}'s entry {rank} (its own tensor) was never filled: it holds {got[rank]}, "
                            f"expected {expected[rank]}.")
+        strangers = [k for k, entry in enumerate(got) if entry not in expected] if isinstance(got, list) else []
+        if got != expected and strangers:  # e.g. an irecv's buffer read before its wait(): whatever memory held
+            k = strangers[0]
+            return not_yet(f"on rank {rank}, entry {k} holds {got[k]}, values no rank sent: did you wait() on every "
+                           f"irecv before reading? (expected {expected[k]})")
         if got != expected:
             return not_yet(f"rank {rank} gathered {got}, expected {expected}.")
     return correct(f"each of {nproc} ranks holds every rank's tensor, in rank order, "

@@ -126,21 +126,71 @@ def _one_process_reference() -> dict:
     return launch(WORKERS / "ddp_exercise_single.py", nproc=1, echo=False).results[0]
 
 
-def check_ddp_worker(script: str | Path, nproc: int = 2) -> bool:
+@functools.cache
+def _one_process_variant(batch: int = 32, lr: float = 0.1, shuffled: bool = False) -> torch.Tensor:
+    """ddp_exercise_single.py's training, computed here in one process, with one thing changed: what a 2-rank
+    DDP run with a typical mistake computes. `shuffled`: DistributedSampler's default shuffle=True at epoch 0,
+    whose order is torch.randperm with a generator seeded 0 + epoch (torch/utils/data/distributed.py:111-112);
+    rank r takes every second index from r (:134), so the two ranks' batches k together hold positions
+    32k..32k+31 of that order."""
+    from helpers.data import load
+    from helpers.models import build_model
+
+    train_set, _ = load(train=True, limit=256)
+    order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(0)).tolist() if shuffled \
+        else list(range(len(train_set)))
+    torch.manual_seed(0)
+    model = build_model("simple")
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    for start in range(0, len(order), batch):
+        images, labels = train_set[order[start:start + batch]]
+        loss = nn.functional.cross_entropy(model(images), labels)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return flat(list(model.parameters()))
+
+
+def _which_mistake(weights: torch.Tensor) -> str | None:
+    """The advice for the first one-process variant that `weights` match (2 ranks only), else None."""
+    variants = (
+        ({"batch": 64}, "each rank used a batch of GLOBAL_BATCH, so every step averaged 64 samples: use a per-rank "
+                        "batch of GLOBAL_BATCH // world_size."),
+        ({"shuffled": True}, "the ranks took the samples in DistributedSampler's default shuffled order: pass "
+                             "DistributedSampler(..., shuffle=False)."),
+        ({"lr": 0.2}, "every step was twice as large, as if the gradients were summed over the ranks and not "
+                      "averaged: divide the all_reduce's sum by world_size."),
+    )
+    for change, advice in variants:
+        if max_abs_diff(weights, _one_process_variant(**change)) < 1e-5:
+            return advice
+    return None
+
+
+def check_ddp_worker(script: str | Path, nproc: int = 2, timeout: float = 60) -> bool:
     """Launch the learner's DDP version of ddp_exercise_single.py on `nproc` ranks; say what is still missing.
 
     Prints one line, "Correct: ..." or "Not yet: ...". The untouched starting script gets "Not yet":
     on 2 ranks it runs twice, each copy on all the data. Both ways of averaging pass: DDP, or all_reduce
     of every gradient by hand (ddp_exercise_solution.py, ddp_exercise_by_hand_solution.py).
     """
-    from helpers.launcher.api import WorkerFailed, launch
+    from helpers.launcher.api import LaunchTimeout, WorkerFailed, launch
 
     script = Path(script)
     if not script.is_file():
         return not_yet(f"{script} does not exist yet: write your DDP worker there first.")
     reference = _one_process_reference()
+    print(f"Running {script.name} on {nproc} ranks (usually 5 to 15 s; the check gives up after {timeout:g} s). "
+          f"If nothing comes back within {min(30, timeout):g} s, press Stop (■): the launcher then says where each rank is "
+          "waiting.", flush=True)
     try:
-        run = launch(script, nproc=nproc, echo=False, timeout=120)
+        run = launch(script, nproc=nproc, echo=False, timeout=timeout)
+    except LaunchTimeout as error:
+        where = "; ".join(f"rank {rank}: {line}" for rank, line in sorted(error.where.items()))
+        return not_yet(f"your script was still running after {timeout:g} s. A collective that not every rank "
+                       f"calls (say, all_reduce or broadcast inside `if rank == 0:`) waits forever for the others. "
+                       f"Where each rank was: {where or 'unknown'}. Next time, press Stop (■) as soon as it "
+                       "seems stuck: the launcher says the same at once.")
     except WorkerFailed as error:
         return not_yet(f"your script failed on {nproc} ranks: {last_error_line(error)}")
     if sorted(run.results) != list(range(nproc)) or any("weights" not in r for r in run.results.values()):
@@ -156,10 +206,19 @@ def check_ddp_worker(script: str | Path, nproc: int = 2) -> bool:
                        f"DistributedDataParallel so that every step averages the gradients (or, by hand: after "
                        f"backward(), all_reduce every parameter's .grad and divide it by world_size).")
     diff = max_abs_diff(run.results[0]["weights"], reference["weights"])
+    advice = _which_mistake(run.results[0]["weights"]) if diff >= 1e-5 and nproc == 2 else None
+    if advice:  # the weights match one process making one of the usual mistakes
+        return not_yet(f"the ranks agree, but their weights differ from the one-process run (max abs diff "
+                       f"{diff:.1e}), and they match what one process computes with this mistake: {advice}")
     if diff >= 1e-5:  # e.g. a per-rank batch of GLOBAL_BATCH, or shuffled shards
         return not_yet(f"the ranks agree, but their weights differ from the one-process run (max abs diff "
                        f"{diff:.1e}): use a per-rank batch of GLOBAL_BATCH // world_size and "
                        f"DistributedSampler(shuffle=False); averaging by hand, divide the all_reduce's sum by "
                        f"world_size.")
+    printed = {rank: text.strip().splitlines() for rank, text in run.logs.items() if rank != 0 and text.strip()}
+    if printed:  # e.g. the original print() left outside `if rank == 0:`: every rank prints the same line
+        rank, lines = min(printed.items())
+        return not_yet(f"the training is right, but rank {rank} printed too ({lines[0]!r}): print only on rank 0 "
+                       f"(inside `if rank == 0:`), so that the output shows each line once.")
     return correct(f"each of {nproc} ranks trained on its own {share} of the {total} samples, the ranks end with "
                    f"identical weights, and those equal the one-process run (max abs diff below 1e-05).")

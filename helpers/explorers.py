@@ -186,7 +186,7 @@ def allreduce_explorer(latency: float, bandwidth: float, sizes: Sequence[float] 
         lambda size_bytes, world_size: allreduce_figure(latency, bandwidth, world_size, size_bytes, measured),
         size_bytes=widgets.SelectionSlider(options=[(format_bytes(2**k), 2**k) for k in range(10, 31)],
                                            value=2**24, description="message"),
-        world_size=widgets.IntSlider(value=8, min=2, max=1024, description="world size"))
+        world_size=widgets.SelectionSlider(options=[2**k for k in range(1, 11)], value=8, description="world size"))
 
 
 def bucket_explorer(model: Any, sweep: Sequence[dict] | None = None) -> Any:

@@ -150,3 +150,17 @@ def test_tour_on_three_ranks_keeps_subgroups_and_averages_apart():
         assert run.results[rank]["tensors"]["fp16 divide by N, then SUM"]["after"] == [40000.0] * 2
         assert run.results[rank]["ddp_fp16_gradient"] == [40000.0] * 2
         assert "error" in run.results[rank]["integer_avg"]
+
+
+def test_exercise_check_asks_about_wait_when_an_entry_holds_values_no_rank_sent(tmp_path, capsys):
+    # a deterministic stand-in for reading an irecv's buffer before its wait(): the buffers the answer reads
+    # are never written, so they hold whatever they started with (-1 here, memory garbage in the real mistake)
+    solution = (WORKERS / "collectives_all_gather_solution.py").read_text()
+    for mistake in ("torch.empty_like(tensor) for _", "dist.irecv(gathered[other], src=other)"):
+        assert mistake in solution
+    script = tmp_path / "unread.py"
+    script.write_text(solution.replace("torch.empty_like(tensor) for _", "torch.full_like(tensor, -1.0) for _")
+                      .replace("dist.irecv(gathered[other], src=other)", "dist.irecv(torch.empty_like(tensor), src=other)"))
+    assert not check_all_gather(script)
+    out = capsys.readouterr().out
+    assert "entry 1 holds [-1.0, -1.0, -1.0], values no rank sent: did you wait() on every irecv" in out

@@ -51,23 +51,26 @@ def test_article_with_every_fix_leaves_no_undefined_name():
 
 def test_exercise_check_says_not_yet_on_the_start_and_correct_on_both_solutions(capsys):
     assert not check_ddp_worker(WORKERS / "ddp_exercise_single.py")
-    assert capsys.readouterr().out.startswith("Not yet: the ranks trained on [256, 256] samples")
+    assert "\nNot yet: the ranks trained on [256, 256] samples" in capsys.readouterr().out
     for solution in ("ddp_exercise_solution.py", "ddp_exercise_by_hand_solution.py"):
         assert check_ddp_worker(WORKERS / solution), solution
-        assert capsys.readouterr().out.startswith("Correct: ")
+        assert "\nCorrect: " in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("solution, mistake, replacement, message", [
     ("ddp_exercise_solution.py", "ddp_model = DDP(model)", "ddp_model = model",
      "wrap the model in DistributedDataParallel"),
     ("ddp_exercise_solution.py", "batch_size=GLOBAL_BATCH // world_size", "batch_size=GLOBAL_BATCH",
-     "GLOBAL_BATCH // world_size"),
+     "every step averaged 64 samples: use a per-rank batch of GLOBAL_BATCH // world_size"),
+    # DistributedSampler's default shuffles: the right samples per rank, in another order
+    ("ddp_exercise_solution.py", "DistributedSampler(train_set, shuffle=False)", "DistributedSampler(train_set)",
+     "default shuffled order: pass DistributedSampler(..., shuffle=False)"),
     # by hand: forgetting the all_reduce leaves each rank with its own gradients
     ("ddp_exercise_by_hand_solution.py", "dist.all_reduce(parameter.grad)", "pass",
      "all_reduce every parameter's .grad and divide it by world_size"),
     # by hand: the sum of the gradients, not their mean, is a step twice as large
     ("ddp_exercise_by_hand_solution.py", "parameter.grad /= world_size", "pass",
-     "divide the all_reduce's sum by world_size"),
+     "summed over the ranks and not averaged: divide the all_reduce's sum by world_size"),
 ])
 def test_exercise_check_names_what_is_missing(tmp_path, capsys, solution, mistake, replacement, message):
     solution = (WORKERS / solution).read_text()
@@ -76,4 +79,32 @@ def test_exercise_check_names_what_is_missing(tmp_path, capsys, solution, mistak
     script.write_text(solution.replace(mistake, replacement))
     assert not check_ddp_worker(script)
     out = capsys.readouterr().out
-    assert out.startswith("Not yet: ") and message in out
+    assert "\nNot yet: " in out and message in out
+
+
+def test_exercise_check_says_where_each_rank_waits_when_the_script_hangs(tmp_path, capsys):
+    # the walkthrough's wrong answer: broadcast the starting weights on rank 0 only. Rank 0 waits in a
+    # broadcast that rank 1 never joins, and rank 1 waits in an all_reduce that rank 0 never reaches.
+    solution = (WORKERS / "ddp_exercise_by_hand_solution.py").read_text()
+    mistake = "        dist.broadcast(parameter.data, src=0)"
+    assert mistake in solution
+    script = tmp_path / "attempt.py"
+    script.write_text(solution.replace(mistake, "        if rank == 0:\n    " + mistake))
+    assert not check_ddp_worker(script, timeout=20)
+    out = capsys.readouterr().out
+    assert out.startswith("Running attempt.py on 2 ranks") and "press Stop (■)" in out.splitlines()[0]
+    verdict = out.splitlines()[-1]
+    assert verdict.startswith("Not yet: your script was still running after 20 s")
+    # each rank's location, not the bare "Full stacks: runs  Logs: runs" the old message left
+    assert "rank 0: " in verdict and "rank 1: " in verdict and "attempt.py" in verdict
+
+
+def test_exercise_check_says_print_only_on_rank_0(tmp_path, capsys):
+    solution = (WORKERS / "ddp_exercise_solution.py").read_text()
+    mistake = "    if rank == 0:\n        print("
+    assert mistake in solution
+    script = tmp_path / "attempt.py"
+    script.write_text(solution.replace(mistake, "    if True:\n        print("))
+    assert not check_ddp_worker(script)
+    out = capsys.readouterr().out
+    assert "Not yet: the training is right, but rank 1 printed too" in out and "print only on rank 0" in out

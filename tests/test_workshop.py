@@ -137,6 +137,9 @@ def test_the_student_copy_readme_has_no_maintainer_commands(student_copy):
     readme = (student_copy / "README.md").read_text()
     assert "## Start" in readme and "jupyter lab" in readme and "## The lessons" in readme
     assert "pytest" not in readme and "tests/" not in readme and "## Layout" not in readme
+    # the maintainers' re-execution tool (W-2): a learner runs lessons in JupyterLab
+    assert "notebook_tools" not in readme and "as the tests expect" not in readme
+    assert "`%load_ext helpers` then `%%torchrun -n 2` runs a cell as a worker." in readme
 
 
 def test_the_student_copy_leaves_out_nbvals_settings(student_copy):

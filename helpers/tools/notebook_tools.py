@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from helpers import REPO_ROOT
+from helpers.tools import kernelspec
 
 
 def execute(notebook: Path, store: bool = True) -> list[str]:
@@ -36,6 +37,7 @@ def execute(notebook: Path, store: bool = True) -> list[str]:
     if store:
         nbformat.write(cells, notebook)
         strip_traceback_paths(notebook)
+        kernelspec.fix(notebook)  # JupyterLab's own name for the kernel: opening the lesson leaves it unmodified
     return errors
 
 
