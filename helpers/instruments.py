@@ -62,7 +62,8 @@ class SavedActivations:
     `torch.autograd.graph.saved_tensors_hooks`, which sees every tensor autograd saves outside a
     `torch.utils.checkpoint` region (inside one, the checkpoint's own hooks take over; the tensors that selective
     activation checkpointing saves bypass these hooks in torch 2.14.1 unless checkpoint() gets
-    respect_saved_tensors_hooks=True, torch/utils/checkpoint.py:554-566). The hooks are not tied to `model`: they
+    respect_saved_tensors_hooks=True, torch/utils/checkpoint.py:554-566; a custom autograd.Function that keeps a
+    tensor as a plain ctx attribute instead of ctx.save_for_backward is not seen either). The hooks are not tied to `model`: they
     see every tensor autograd saves while the context is on, so a loss computed inside it is counted too (in this
     lesson's pipeline worker, torch's schedule computes the loss on stage 1 inside the context; `model` only tells
     which saved tensors are its weights, left out).

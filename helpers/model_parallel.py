@@ -16,8 +16,9 @@ from collections.abc import Sequence
 from typing import Any
 
 # What one rank keeps per parameter, in bytes, for each precision (the optimizer's own state comes on top).
-# fp32 and autocast are the same here: autocast (torch.amp) keeps fp32 weights and gradients; its 16-bit
-# casts are transient (cached while the autocast context is open, then dropped). "mixed" is the ZeRO paper's count
+# fp32 and autocast are the same here: autocast (torch.amp) keeps fp32 weights and gradients. Its 16-bit
+# weight casts are not resting state, but they are not free either: autograd saves the cast of every layer whose
+# input needs a gradient until that layer's backward, so they add to the activations (the lesson measures it). "mixed" is the ZeRO paper's count
 # (fp16 weights and gradients, and an fp32 master copy of the weights that the optimizer updates).
 PRECISIONS = {"fp32": {"weights": 4, "gradients": 4, "master": 0},
               "autocast": {"weights": 4, "gradients": 4, "master": 0},
@@ -240,7 +241,7 @@ def check_stage_order(stage_order: Any, ran: dict[tuple[int, int, int], list[str
         limit = min(microbatches, stages - stage)
         if held != limit:
             return not_yet(f"{where}: your order holds {held} micro-batches' activations at its peak; 1F1B holds "
-                           f"min(m, p - s) = {limit} (run p - s forwards, then a backward as soon as one is due). "
+                           f"min(m, p - s) = {limit} (how many forwards can stage s run before its first backward is due?). "
                            f"Got {got}.")
         reference = ran.get((stages, microbatches, stage))
         source = "torch's Schedule1F1B ran in this lesson"
