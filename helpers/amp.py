@@ -164,11 +164,11 @@ def op_dtypes(device_type: str = "cpu", dtype: torch.dtype = torch.bfloat16) -> 
             # both inputs lowered: an fp32 result is autocast's fp32 list at work, not type promotion
             "mse_loss(lowered, lowered)": F.mse_loss(low, low),
             "cross_entropy": F.cross_entropy(low, targets),
-            # index_copy has no type promotion of its own: outside autocast, a bf16 self with an fp32 source
-            # raises "expected to have the same dtype". Autocast's promote policy casts both to fp32 first.
             "add lowered + fp32 (ordinary promotion)": low + a,
         }
         if device_type == "cpu":  # index_copy is on the CPU's promote list only (CUDA's list differs)
+            # index_copy has no type promotion of its own: outside autocast, a bf16 self with an fp32 source
+            # raises "expected to have the same dtype". Autocast's promote policy casts both to fp32 first.
             ops["index_copy(lowered, fp32) (autocast: promote)"] = torch.index_copy(low, 0, targets[:2], a[:2])
     return {name: str(out.dtype) for name, out in ops.items()}
 
@@ -238,7 +238,8 @@ def parameter_bytes_at_end_of_forward(model: nn.Module, images: torch.Tensor, la
                 casts.append(weakref.ref(out))
             return out
 
-    with torch.autocast("cpu", dtype=dtype):
+    lowered = dtype != torch.float32  # dtype=torch.float32: plain fp32 training, autocast off, for comparison
+    with torch.autocast("cpu", dtype=dtype, enabled=lowered):
         loss = F.cross_entropy(model(images), labels)
     optimizer.zero_grad(set_to_none=set_to_none)
     loss.backward()
@@ -246,7 +247,7 @@ def parameter_bytes_at_end_of_forward(model: nn.Module, images: torch.Tensor, la
     if zero_grad_before_forward:
         optimizer.zero_grad(set_to_none=set_to_none)
     with KeepParameterCasts():
-        with torch.autocast("cpu", dtype=dtype):
+        with torch.autocast("cpu", dtype=dtype, enabled=lowered):
             loss = F.cross_entropy(model(images), labels)
             gc.collect()
             cast_bytes = sum(t.untyped_storage().nbytes() for ref in casts if (t := ref()) is not None)
