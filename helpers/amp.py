@@ -164,11 +164,11 @@ def op_dtypes(device_type: str = "cpu", dtype: torch.dtype = torch.bfloat16) -> 
             # both inputs lowered: an fp32 result is autocast's fp32 list at work, not type promotion
             "mse_loss(lowered, lowered)": F.mse_loss(low, low),
             "cross_entropy": F.cross_entropy(low, targets),
-            # index_copy has no type promotion of its own: outside autocast, a bf16 self with an fp32 source
-            # raises "expected to have the same dtype". Autocast's promote policy casts both to fp32 first.
             "add lowered + fp32 (ordinary promotion)": low + a,
         }
         if device_type == "cpu":  # index_copy is on the CPU's promote list only (CUDA's list differs)
+            # index_copy has no type promotion of its own: outside autocast, a bf16 self with an fp32 source
+            # raises "expected to have the same dtype". Autocast's promote policy casts both to fp32 first.
             ops["index_copy(lowered, fp32) (autocast: promote)"] = torch.index_copy(low, 0, targets[:2], a[:2])
     return {name: str(out.dtype) for name, out in ops.items()}
 
@@ -238,7 +238,8 @@ def parameter_bytes_at_end_of_forward(model: nn.Module, images: torch.Tensor, la
                 casts.append(weakref.ref(out))
             return out
 
-    with torch.autocast("cpu", dtype=dtype):
+    lowered = dtype != torch.float32  # dtype=torch.float32: plain fp32 training, autocast off, for comparison
+    with torch.autocast("cpu", dtype=dtype, enabled=lowered):
         loss = F.cross_entropy(model(images), labels)
     optimizer.zero_grad(set_to_none=set_to_none)
     loss.backward()
@@ -246,7 +247,7 @@ def parameter_bytes_at_end_of_forward(model: nn.Module, images: torch.Tensor, la
     if zero_grad_before_forward:
         optimizer.zero_grad(set_to_none=set_to_none)
     with KeepParameterCasts():
-        with torch.autocast("cpu", dtype=dtype):
+        with torch.autocast("cpu", dtype=dtype, enabled=lowered):
             loss = F.cross_entropy(model(images), labels)
             gc.collect()
             cast_bytes = sum(t.untyped_storage().nbytes() for ref in casts if (t := ref()) is not None)
@@ -404,6 +405,17 @@ def _same(model_a: nn.Module, model_b: nn.Module) -> bool:
     return all(torch.allclose(p, q, atol=1e-6, rtol=0) for p, q in pairs)
 
 
+# GradScaler's errors for a step in the wrong order (torch/amp/grad_scaler.py), and what each one means here
+_SCALER_ERRORS = (
+    ("No inf checks were recorded prior to update",
+     "scaler.update() found no inf checks: the weights were stepped with optimizer.step() (step with"
+     " scaler.step(optimizer), which checks the gradients for inf/NaN, then call scaler.update())"),
+    ("_scale is None",
+     "scaler.unscale_ or scaler.step found no scaled loss: backward ran on the plain loss (call"
+     " scaler.scale(loss).backward())"),
+)
+
+
 def check_amp_train_step(train_step: Callable, max_norm: float = 0.1) -> bool:
     """Run `train_step(model, optimizer, scaler, images, labels, max_norm)` against the correct AMP step.
 
@@ -412,8 +424,9 @@ def check_amp_train_step(train_step: Callable, max_norm: float = 0.1) -> bool:
     (torch.get_autocast_dtype), and clip_grad_norm_'s clipping function (`_clip_grads_with_norm_`, which
     clip_grad_norm_ calls at torch/nn/utils/clip_grad.py:231, however clip_grad_norm_ itself was imported) is
     wrapped to record whether the scaler had unscaled this optimizer's gradients yet (GradScaler's per-optimizer
-    stage, OptState.UNSCALED, set by unscale_ at torch/amp/grad_scaler.py:361); scaler.scale is wrapped to count
-    its calls."""
+    stage, OptState.UNSCALED, set by unscale_ at torch/amp/grad_scaler.py:361, or whether scaler.step had run);
+    scaler.scale and scaler.step are wrapped to count their calls. GradScaler's own errors for a step in the wrong
+    order (optimizer.step() then scaler.update(); backward without scaler.scale) become "Not yet" hints."""
     from torch.amp.grad_scaler import OptState
     from torch.nn.utils import clip_grad
 
@@ -428,18 +441,28 @@ def check_amp_train_step(train_step: Callable, max_norm: float = 0.1) -> bool:
             torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None))
         clips: list[bool] = []  # one entry per clipping: were the gradients unscaled at that moment?
         clip_function = clip_grad._clip_grads_with_norm_
+        step_calls: list[int] = []
 
-        def recording_clip(*args, clips=clips, scaler=scaler, optimizer=optimizer, **kwargs):
+        def recording_clip(*args, clips=clips, scaler=scaler, optimizer=optimizer, step_calls=step_calls, **kwargs):
             state = scaler._per_optimizer_states[id(optimizer)]
-            clips.append(state["stage"] is OptState.UNSCALED)
+            # "after step": scaler.step had run (its stage is STEPPED, or READY again once update() reset it)
+            clips.append("after step" if step_calls else state["stage"] is OptState.UNSCALED)
             return clip_function(*args, **kwargs)
 
         scale_calls: list[int] = []
         scale_method = scaler.scale
         scaler.scale = lambda outputs, calls=scale_calls, method=scale_method: calls.append(1) or method(outputs)
+        step_method = scaler.step
+        scaler.step = lambda *a, calls=step_calls, method=step_method, **k: calls.append(1) or method(*a, **k)
         clip_grad._clip_grads_with_norm_ = recording_clip
         try:
             train_step(model, optimizer, scaler, images, labels, max_norm)
+        except (AssertionError, RuntimeError) as error:  # GradScaler's own checks (torch/amp/grad_scaler.py)
+            hint = next((h for text, h in _SCALER_ERRORS if text in str(error)), None)
+            if hint is None:
+                raise
+            problems.setdefault(hint, []).append(case)
+            continue
         finally:
             clip_grad._clip_grads_with_norm_ = clip_function
         _reference_step(ref_model, ref_optimizer, ref_scaler, images, labels, max_norm)
@@ -459,6 +482,9 @@ def check_amp_train_step(train_step: Callable, max_norm: float = 0.1) -> bool:
                          " loss with scaler.scale(loss), and call scaler.update() once per step)")
         if not clips:
             found.append("clip_grad_norm_ was not called (clip after scaler.unscale_(optimizer))")
+        elif "after step" in clips:
+            found.append("clip_grad_norm_ ran after scaler.step(optimizer): the step had already used the unclipped"
+                         " gradients (clip between scaler.unscale_(optimizer) and scaler.step(optimizer))")
         elif not all(clips) and scale_calls:  # without scaler.scale, unscale_ is not the next thing to fix
             found.append("clip_grad_norm_ ran before scaler.unscale_(optimizer): it clipped the scaled gradients"
                          " (call scaler.unscale_(optimizer) first, so that max_norm applies to the true gradients)")

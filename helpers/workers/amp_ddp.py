@@ -47,6 +47,7 @@ def main() -> None:
         scaler.load_state_dict(checkpoint["scaler"])  # without it the scale restarts from init_scale
         first_step = checkpoint["step"]
     start_scale = scaler.get_scale()
+    start_growth_tracker = scaler.state_dict()["_growth_tracker"]  # steps since the last change of scale
 
     images, labels = load(train=True)[0].tensors
     images, labels = images[rank::world_size], labels[rank::world_size]  # each rank its own shard
@@ -73,7 +74,8 @@ def main() -> None:
                     "scaler": scaler.state_dict(), "step": first_step + args.steps}, args.save)
     weights_checksum = sum(p.double().sum().item() for p in model.parameters())
     print(f"rank {rank}: skipped {skipped}, scale {start_scale:g} -> {scaler.get_scale():g}")
-    result(start_scale=start_scale, final_scale=scaler.get_scale(), skipped=skipped, checksum=weights_checksum)
+    result(start_scale=start_scale, final_scale=scaler.get_scale(), skipped=skipped, checksum=weights_checksum,
+           start_growth_tracker=start_growth_tracker, final_growth_tracker=scaler.state_dict()["_growth_tracker"])
     dist.destroy_process_group()
 
 

@@ -10,8 +10,9 @@ fp16 needs a GradScaler (its range is narrow); bf16 has fp32's range and does no
 `--precision all` trains fp32, fp16 and bf16 one after another (on a GPU: bf16 only where the GPU has it
 natively, Ampere or newer; torch.cuda.is_bf16_supported() alone also says True where it is only emulated)
 and prints each one's speed relative to fp32. On a GPU "fp32" is torch's default, in which cuDNN runs fp32
-convolutions as TF32 on Ampere and newer (torch.backends.cudnn.allow_tf32 is True; matmuls stay fp32:
-torch.backends.cuda.matmul.allow_tf32 is False); --no-tf32 turns TF32 off for a plain-fp32 baseline.
+convolutions as TF32 on Ampere and newer (torch.backends.cudnn.conv.fp32_precision is "tf32"; matmuls stay
+fp32: torch.backends.cuda.matmul.fp32_precision is "none"); --no-tf32 sets both to "ieee" for a plain-fp32
+baseline. (The allow_tf32 flags are the legacy form of the same settings.)
 """
 import argparse
 import statistics
@@ -77,8 +78,8 @@ def compare(model_name: str, steps: int, per_rank_batch: int, device: torch.devi
     train("fp32", model_name, 5, per_rank_batch, device)  # warm-up: allocator, CUDA context, cuDNN autotuning
     outcomes = {p: train(p, model_name, steps, per_rank_batch, device) for p in precisions}
     if device.type == "cuda":
-        print(f"fp32 here means: TF32 for cuDNN convolutions {torch.backends.cudnn.allow_tf32}, "
-              f"for matmuls {torch.backends.cuda.matmul.allow_tf32}")
+        print(f"fp32 here means: cuDNN convolutions fp32_precision={torch.backends.cudnn.conv.fp32_precision!r}, "
+              f"matmuls fp32_precision={torch.backends.cuda.matmul.fp32_precision!r}")
     for p, o in outcomes.items():
         speedup = outcomes["fp32"]["ms_per_step"] / o["ms_per_step"]
         memory = f", peak memory {o['peak_memory_mb']:.0f} MiB" if o["peak_memory_mb"] is not None else ""
@@ -96,8 +97,8 @@ def main() -> None:
     parser.add_argument("--no-tf32", action="store_true", help="GPU: fp32 convolutions and matmuls without TF32")
     args = parser.parse_args()
     if args.no_tf32:
-        torch.backends.cudnn.allow_tf32 = False
-        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.conv.fp32_precision = "ieee"
+        torch.backends.cuda.matmul.fp32_precision = "ieee"
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu":

@@ -190,3 +190,57 @@ def test_onednn_convolutions_reads_the_verbose_lines() -> None:
     rows = onednn_convolutions(SmallCNN(), torch.rand(4, 1, 28, 28), torch.randint(0, 10, (4,)), torch.float32)
     assert {row["pass"] for row in rows} == {"forward_training", "backward_data", "backward_weights"}
     assert all(row["implementation"] and row["ms"] >= 0 for row in rows)
+
+
+def _mutated_step(mutation):
+    """The right step with one near-miss a learner makes, for the check's hints."""
+    def step(model, optimizer, scaler, images, labels, max_norm):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.cross_entropy(model(images), labels)
+        optimizer.zero_grad()
+        if mutation == "plain backward":
+            loss.backward()
+        else:
+            scaler.scale(loss).backward()
+        if mutation == "optimizer.step":  # no unscale_, no scaler.step: the weights are stepped directly
+            nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            optimizer.step()
+            scaler.update()
+            return loss.item()
+        scaler.unscale_(optimizer)
+        if mutation != "clip after step":
+            nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        scaler.step(optimizer)
+        if mutation == "clip after step":
+            nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        scaler.update()
+        return loss.item()
+    return step
+
+
+def test_check_turns_the_scalers_errors_into_hints(capsys) -> None:
+    # optimizer.step() in place of scaler.step: torch's "No inf checks were recorded prior to update."
+    assert not check_amp_train_step(_mutated_step("optimizer.step"))
+    out = capsys.readouterr().out
+    assert out.startswith("Not yet") and "scaler.step(optimizer)" in out and "optimizer.step()" in out
+    # backward on the plain loss: torch's "Attempted unscale_ but _scale is None"
+    assert not check_amp_train_step(_mutated_step("plain backward"))
+    out = capsys.readouterr().out
+    assert out.startswith("Not yet") and "scaler.scale(loss).backward()" in out
+
+
+def test_check_says_clipping_after_the_step_not_before_unscale(capsys) -> None:
+    assert not check_amp_train_step(_mutated_step("clip after step"))
+    out = capsys.readouterr().out
+    assert "ran after scaler.step(optimizer)" in out and "ran before scaler.unscale_" not in out
+
+
+def test_parameter_bytes_at_end_of_forward_in_plain_fp32() -> None:
+    from helpers.models import SmallCNN
+
+    images, labels = torch.rand(8, 1, 28, 28), torch.randint(0, 10, (8,))
+    for before, set_to_none, expected in ((True, True, 12), (False, True, 16), (True, False, 16)):
+        torch.manual_seed(0)
+        held = parameter_bytes_at_end_of_forward(SmallCNN(), images, labels, zero_grad_before_forward=before,
+                                                 set_to_none=set_to_none, dtype=torch.float32)
+        assert sum(held.values()) == expected and held["16-bit casts of the weights"] == 0  # autocast off: no casts
