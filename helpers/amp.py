@@ -492,7 +492,9 @@ def check_amp_train_step(train_step: Callable, max_norm: float = 0.1) -> bool:
             found.append("weights became inf/NaN (step with scaler.step(optimizer): it skips the step when"
                          " the gradients overflowed)")
         elif case == "an overflowing step" and not wrong_dtype and not _same(model, before):
-            found.append("weights changed although the gradients overflowed (use scaler.step(optimizer))")
+            found.append("weights changed in the step whose scaled loss should overflow (the check starts the scaler at"
+                         " 2**60; with scaler.scale(loss) the gradients overflow and scaler.step(optimizer) skips"
+                         " the step)")
         elif case == "a normal step" and not _same(model, ref_model):
             if found:  # no autocast, a wrong dtype or scale, or wrong clipping change the weights too
                 found.append("weights differ from the correct step (fix the other problems first: they change"
