@@ -21,6 +21,38 @@ from helpers import REPO_ROOT
 from helpers.tools import kernelspec
 
 
+CELL_TIMEOUT = 300  # seconds; the slowest lesson cell takes about a minute on 2 busy cores
+
+
+def _client_class():
+    import nbclient
+
+    class Client(nbclient.NotebookClient):
+        """nbclient's runner, with one workaround: now and then (about 1 run in 10 of lesson 11 with three runs at
+        once on 2 cores; seen at its widget cell) the kernel finishes a cell and goes idle, but its execute_reply
+        never reaches the runner, which then waits out the timeout (jupyter/nbclient#312, open). When the timeout
+        comes after the kernel's idle status for that very cell, the cell did finish: its outputs are all in, so
+        the run goes on, and says so on stderr. Any other timeout is a real one and fails as before."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.finished_cells: set[int] = set()
+
+        def process_message(self, msg, cell, cell_index):
+            if msg["msg_type"] == "status" and msg["content"].get("execution_state") == "idle":
+                self.finished_cells.add(id(cell))
+            return super().process_message(msg, cell, cell_index)
+
+        async def _async_handle_timeout(self, timeout, cell=None):
+            if cell is not None and id(cell) in self.finished_cells:
+                print(f"notebook_tools: the kernel went idle after the cell but its reply never came within "
+                      f"{timeout} s (jupyter/nbclient#312); its outputs are complete, going on", file=sys.stderr)
+                return {"content": {"status": "ok", "execution_count": cell.get("execution_count")}}
+            return await super()._async_handle_timeout(timeout, cell)
+
+    return Client
+
+
 def execute(notebook: Path, store: bool = True) -> list[str]:
     """Run the notebook; store it in place if `store`. Returns the names of unexpected errors, by cell."""
     import nbclient
@@ -29,8 +61,8 @@ def execute(notebook: Path, store: bool = True) -> list[str]:
     if store:
         os.environ["LESSONS_DATA"] = "digits"  # the kernel inherits this process's environment
     cells = nbformat.read(notebook, as_version=4)
-    nbclient.NotebookClient(cells, timeout=900, kernel_name="python3", allow_errors=True,
-                            resources={"metadata": {"path": str(notebook.parent)}}).execute()
+    _client_class()(cells, timeout=CELL_TIMEOUT, kernel_name="python3", allow_errors=True,
+            resources={"metadata": {"path": str(notebook.parent)}}).execute()
     errors = [f"cell {i}: {output.get('ename')}" for i, cell in enumerate(cells.cells) if cell.cell_type == "code"
               for output in cell.get("outputs", []) if output.get("output_type") == "error"
               and "raises-exception" not in cell.metadata.get("tags", [])]
