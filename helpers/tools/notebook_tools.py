@@ -28,8 +28,8 @@ def _client_class():
     import nbclient
 
     class Client(nbclient.NotebookClient):
-        """nbclient's runner, with one workaround: now and then (about 1 run in 10 of lesson 11 with three runs at
-        once on 2 cores; seen at its widget cell) the kernel finishes a cell and goes idle, but its execute_reply
+        """nbclient's runner, with one workaround: now and then (lesson 11 run three at a time on 2 cores: 2 runs of 12
+        in one trial, 1 of 30 in another; each time at its widget cell) the kernel finishes a cell and goes idle, but its execute_reply
         never reaches the runner, which then waits out the timeout (jupyter/nbclient#312, open). When the timeout
         comes after the kernel's idle status for that very cell, the cell did finish: its outputs are all in, so
         the run goes on, and says so on stderr. Any other timeout is a real one and fails as before."""
