@@ -408,8 +408,9 @@ def _same(model_a: nn.Module, model_b: nn.Module) -> bool:
 # GradScaler's errors for a step in the wrong order (torch/amp/grad_scaler.py), and what each one means here
 _SCALER_ERRORS = (
     ("No inf checks were recorded prior to update",
-     "scaler.update() found no inf checks: the weights were stepped with optimizer.step() (step with"
-     " scaler.step(optimizer), which checks the gradients for inf/NaN, then call scaler.update())"),
+     "scaler.update() found no inf checks: either the weights were stepped with optimizer.step() (step with"
+     " scaler.step(optimizer), which checks the gradients for inf/NaN), or scaler.update() ran twice (the first"
+     " call clears the checks; call it once per step, after scaler.step)"),
     ("_scale is None",
      "scaler.unscale_ or scaler.step found no scaled loss: backward ran on the plain loss (call"
      " scaler.scale(loss).backward())"),
@@ -500,7 +501,8 @@ def check_amp_train_step(train_step: Callable, max_norm: float = 0.1) -> bool:
                 found.append("weights differ from the correct step (fix the other problems first: they change"
                              " the weights too)")
             else:  # autocast, scale and clipping order are right: something else moved the weights
-                found.append("weights differ from the correct step (pass max_norm to clip_grad_norm_, call"
+                found.append("weights differ from the correct step (compute the loss inside the autocast block too,"
+                             " where autocast runs cross_entropy in fp32; pass max_norm to clip_grad_norm_, call"
                              " optimizer.zero_grad() before backward, and step once with scaler.step(optimizer))")
         for problem in found:
             problems.setdefault(problem, []).append(case)
