@@ -140,3 +140,32 @@ def test_a_broken_original_does_not_break_the_exercise_check(tmp_path, monkeypat
     assert check_ddp_worker(solution)
     assert "\nCorrect: " in capsys.readouterr().out
     assert launched == [solution]
+
+
+def test_step_time_explanation_says_why_a_share_is_over_100_percent(capsys):
+    """Section 8's printed share (DDP - no all-reduce) / (DDP - 1 rank at batch 32) exceeds 100% when the control
+    without all-reduce ran faster than 1 rank at batch 32: the line must say so, and whether the blocks' spread
+    covers it."""
+    from helpers.ddp import STEP_SETTINGS, explain_step_times
+
+    parameters = {"simple": 8070, "cnn": 20490}
+
+    def medians(quiet_ms: float, spread: float):
+        step_ms, blocks = {}, {}
+        values = {"one": 10.0, "half": 5.5, "quiet": quiet_ms, "ddp": 7.0, "two_threads": 8.0}
+        for model in parameters:
+            for key, value in values.items():
+                step_ms[f"{model}, {STEP_SETTINGS[key]}"] = value
+                blocks[f"{model}, {STEP_SETTINGS[key]}"] = [(value - spread / 2) / 1e3, value / 1e3, (value + spread / 2) / 1e3]
+            step_ms[f"{model}, all_reduce alone, {parameters[model]} floats"] = 0.3
+            blocks[f"{model}, all_reduce alone, {parameters[model]} floats"] = [0.3e-3] * 3
+        return step_ms, blocks
+
+    speedup = explain_step_times(*medians(5.4, 0.5)[:1], parameters, medians(5.4, 0.5)[1])
+    out = capsys.readouterr().out
+    assert "removes 107%" in out and "cannot tell them apart" in out and speedup["cnn\n2 ranks"] == 10.0 / 7.0
+    explain_step_times(*medians(4.0, 0.1)[:1], parameters, medians(4.0, 0.1)[1])
+    out = capsys.readouterr().out
+    assert "removes 200%" in out and "not noise between blocks alone" in out
+    explain_step_times(*medians(6.0, 0.1)[:1], parameters, medians(6.0, 0.1)[1])
+    assert "over 100%" not in capsys.readouterr().out
