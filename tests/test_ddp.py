@@ -150,7 +150,7 @@ def test_step_time_explanation_says_why_a_share_is_over_100_percent(capsys):
 
     parameters = {"simple": 8070, "cnn": 20490}
 
-    def medians(quiet_ms: float, spread: float):
+    def medians(quiet_ms: float, spread: float, parameters: dict) -> tuple:
         step_ms, blocks = {}, {}
         values = {"one": 10.0, "half": 5.5, "quiet": quiet_ms, "ddp": 7.0, "two_threads": 8.0}
         for model in parameters:
@@ -159,13 +159,13 @@ def test_step_time_explanation_says_why_a_share_is_over_100_percent(capsys):
                 blocks[f"{model}, {STEP_SETTINGS[key]}"] = [(value - spread / 2) / 1e3, value / 1e3, (value + spread / 2) / 1e3]
             step_ms[f"{model}, all_reduce alone, {parameters[model]} floats"] = 0.3
             blocks[f"{model}, all_reduce alone, {parameters[model]} floats"] = [0.3e-3] * 3
-        return step_ms, blocks
+        return step_ms, parameters, blocks
 
-    speedup = explain_step_times(*medians(5.4, 0.5)[:1], parameters, medians(5.4, 0.5)[1])
+    speedup = explain_step_times(*medians(5.4, 0.5, parameters))
     out = capsys.readouterr().out
     assert "removes 107%" in out and "cannot tell them apart" in out and speedup["cnn\n2 ranks"] == 10.0 / 7.0
-    explain_step_times(*medians(4.0, 0.1)[:1], parameters, medians(4.0, 0.1)[1])
+    explain_step_times(*medians(4.0, 0.1, parameters))
     out = capsys.readouterr().out
     assert "removes 200%" in out and "not noise between blocks alone" in out
-    explain_step_times(*medians(6.0, 0.1)[:1], parameters, medians(6.0, 0.1)[1])
+    explain_step_times(*medians(6.0, 0.1, parameters))
     assert "over 100%" not in capsys.readouterr().out
