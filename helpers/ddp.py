@@ -115,15 +115,90 @@ def last_error_line(text: str) -> str:
     return re.sub(r"(from )?'?/[^\s'>]*'?", "", line).replace(" >", ">").strip()
 
 
+# ---------------------------------------------------------------- section 8: one rank or two, what the controls say
+
+STEP_SETTINGS = {"one": "1 rank(s) x 1 thread(s)", "two_threads": "1 rank(s) x 2 thread(s)",
+                 "ddp": "2 rank(s) x 1 thread(s)", "quiet": "2 rank(s) x 1 thread(s), no all-reduce",
+                 "half": "1 rank(s) x 1 thread(s), batch 32"}
+
+
+def _speed_word(ratio: float) -> str:
+    return "about the same" if 0.9 <= ratio <= 1.1 else "faster" if ratio > 1 else "slower"
+
+
+def explain_step_times(step_ms: dict[str, float], parameters: dict[str, int],
+                       blocks: dict[str, list[float]]) -> dict[str, float]:
+    """Print, per model, the differences between ddp_step_time.py's settings (median ms per step) and what they
+    say; return each setting's speed against 1 rank x 1 thread (for a bar chart). The differences:
+    sharing = no all-reduce - 1 rank at batch 32 (2 processes on 2 shared cores, DDP's bookkeeping);
+    all-reduce = DDP - no all-reduce (the all-reduce, including waiting for the partner);
+    extra = DDP - 1 rank at batch 32 (all that 2 ranks add to one rank's half of the work).
+    `blocks`: each setting's seconds per step in every block (their spread says how noisy a median is)."""
+    speedup = {}
+    for model, name in (("simple", "the article's model"), ("cnn", "the CNN")):
+        one, half, quiet, ddp, two_threads = (step_ms[f"{model}, {STEP_SETTINGS[key]}"]
+                                              for key in ("one", "half", "quiet", "ddp", "two_threads"))
+        for short, value in (("2 threads", two_threads), ("2 ranks,\nno all-reduce", quiet), ("2 ranks", ddp)):
+            speedup[f"{model}\n{short}"] = one / value
+        bare = step_ms[f"{model}, all_reduce alone, {parameters[model]} floats"]
+        sharing, all_reduce = quiet - half, ddp - quiet
+        print(f"{name}: 1 rank {one:.2f} ms per step at batch 64, {half:.2f} ms at batch 32 "
+              f"(halving the batch saved {1 - half / one:.0%} of the step);\n"
+              f"  2 ranks without the all-reduce: {quiet:.2f} ms ({sharing:+.2f} ms against 1 rank at batch 32: "
+              f"2 processes on 2 shared cores, and DDP's bookkeeping);\n"
+              f"  2 ranks with DDP's all-reduce:  {ddp:.2f} ms ({all_reduce:+.2f} ms against no all-reduce: the "
+              f"all-reduce, including waiting for the partner);\n"
+              f"  the all-reduce alone, {parameters[model]:,} floats, no training around it: {bare:.2f} ms.")
+        if ddp > half and all_reduce > 0:
+            extra = ddp - half
+            share, transfer = all_reduce / extra, bare / extra
+            # share = (DDP - no all-reduce) / (DDP - batch 32) is over 100% exactly when the no-all-reduce
+            # control ran faster than 1 rank at batch 32 (sharing < 0), although it computes the same per rank.
+            over = ""
+            if share > 1:
+                spread = {key: 1e3 * (max(blocks[label]) - min(blocks[label])) for key, label in
+                          (("half", f"{model}, {STEP_SETTINGS['half']}"), ("quiet", f"{model}, {STEP_SETTINGS['quiet']}"))}
+                noise = (f"the blocks of those two settings spread over {spread['half']:.2f} and {spread['quiet']:.2f} ms, "
+                         f"so this run cannot tell them apart: read it as all of the extra"
+                         if -sharing < max(spread.values()) else
+                         "more than either setting's spread over its blocks, so not noise between blocks alone; this "
+                         "run does not say why")
+                over = (f";\n  that share is over 100% because the 2 ranks without the all-reduce ran {-sharing:.2f} ms "
+                        f"faster per step than 1 rank at batch 32, which does the same per-rank work without DDP: {noise}")
+            bare_times = blocks[f"{model}, all_reduce alone, {parameters[model]} floats"]
+            over_transfer = (f" (over 100%: the all-reduce alone, timed in its own blocks, took longer than the whole "
+                             f"extra; its blocks spread over {1e3 * (max(bare_times) - min(bare_times)):.2f} ms)"
+                             if transfer > 1 else "")
+            # The no-all-reduce control removes two things at once: the transfer, and the coupling of the ranks at
+            # every step (each waits for the slower one). The all-reduce alone estimates the transfer by itself.
+            rest = all_reduce - bare
+            cause = ("most of what the all-reduce costs here is not the bare transfer; this run does not split the "
+                     "rest (waiting for the partner, DDP's work around the all-reduce)"
+                     if rest > bare else "what the all-reduce costs here is mostly the transfer itself")
+            print(f"  Of the {extra:.2f} ms above 1 rank at batch 32, removing the all-reduce removes {share:.0%} "
+                  f"(the transfer and the per-step wait for the partner together){over};\n"
+                  f"  the transfer alone (the all-reduce with no training around it) is about {transfer:.0%}"
+                  f"{over_transfer}:\n  {cause}.")
+        else:
+            print("  Here DDP was not slower than the control: this run's noise is larger than what the all-reduce "
+                  "costs, so it cannot split the 2-rank step.")
+        print(f"  Against 1 rank, DDP on 2 ranks ran at {one / ddp:.2g}x the speed ({_speed_word(one / ddp)}), "
+              f"2 threads in one process at {one / two_threads:.2g}x ({_speed_word(one / two_threads)}).")
+    return speedup
+
+
 # ---------------------------------------------------------------- the exercise
 
 
-@functools.cache
 def _one_process_reference() -> dict:
-    """The starting script's result on one process (deterministic, so one launch serves every check)."""
-    from helpers.launcher.api import launch
+    """The starting script's result on one process, computed here in the notebook's process (the same training
+    as ddp_exercise_single.py, written out in _one_process_variant). Not a launch of that file: a learner may have
+    edited it, and the check must not depend on a file the learner can change. tests/test_ddp.py checks that
+    this equals a launch of the untouched file."""
+    from helpers.data import load
 
-    return launch(WORKERS / "ddp_exercise_single.py", nproc=1, echo=False).results[0]
+    train_set, _ = load(train=True, limit=256)
+    return {"weights": _one_process_variant(), "samples_seen": len(train_set)}
 
 
 @functools.cache
@@ -180,9 +255,9 @@ def check_ddp_worker(script: str | Path, nproc: int = 2, timeout: float = 60) ->
     if not script.is_file():
         return not_yet(f"{script} does not exist yet: write your DDP worker there first.")
     reference = _one_process_reference()
-    print(f"Running {script.name} on {nproc} ranks (usually 5 to 15 s; the check gives up after {timeout:g} s). "
-          f"If nothing comes back within {min(30, timeout):g} s, press Stop (■): the launcher then says where each rank is "
-          "waiting.", flush=True)
+    print(f"Running {script.name} on {nproc} ranks (usually a few seconds; the check gives up after {timeout:g} s). "
+          f"If nothing comes back within {min(15, timeout):g} s, press Stop (■): the launcher then says where each rank "
+          "is waiting.", flush=True)
     try:
         run = launch(script, nproc=nproc, echo=False, timeout=timeout)
     except LaunchTimeout as error:

@@ -108,3 +108,64 @@ def test_exercise_check_says_print_only_on_rank_0(tmp_path, capsys):
     assert not check_ddp_worker(script)
     out = capsys.readouterr().out
     assert "Not yet: the training is right, but rank 1 printed too" in out and "print only on rank 0" in out
+
+
+def test_exercise_reference_computed_in_process_equals_a_launch_of_the_original():
+    """The check's one-process reference is computed in the notebook's process, not by launching
+    ddp_exercise_single.py (which a learner may edit). It must still be what that file computes."""
+    from helpers.ddp import _one_process_reference
+    from helpers.tensors import max_abs_diff
+
+    launched = launch(WORKERS / "ddp_exercise_single.py", nproc=1, echo=False).results[0]
+    reference = _one_process_reference()
+    assert reference["samples_seen"] == launched["samples_seen"] == 256
+    assert max_abs_diff(reference["weights"], launched["weights"]) < 1e-5
+
+
+def test_a_broken_original_does_not_break_the_exercise_check(tmp_path, monkeypatch, capsys):
+    """A learner who edits (and breaks) ddp_exercise_single.py instead of the copy still gets a working check:
+    the check launches only the learner's script, and no file under a WORKERS folder it could read."""
+    import helpers
+    import helpers.ddp
+    import helpers.launcher.api as api
+
+    broken = tmp_path / "ddp_exercise_single.py"
+    broken.write_text((WORKERS / "ddp_exercise_single.py").read_text().replace("import torch\n", "", 1)
+                      + "\nraise SystemExit('a broken original')\n")
+    monkeypatch.setattr(helpers, "WORKERS", tmp_path)
+    monkeypatch.setattr(helpers.ddp, "WORKERS", tmp_path)
+    launched, real_launch = [], api.launch
+    monkeypatch.setattr(api, "launch", lambda script, *a, **k: launched.append(script) or real_launch(script, *a, **k))
+    solution = WORKERS / "ddp_exercise_solution.py"
+    assert check_ddp_worker(solution)
+    assert "\nCorrect: " in capsys.readouterr().out
+    assert launched == [solution]
+
+
+def test_step_time_explanation_says_why_a_share_is_over_100_percent(capsys):
+    """Section 8's printed share (DDP - no all-reduce) / (DDP - 1 rank at batch 32) exceeds 100% when the control
+    without all-reduce ran faster than 1 rank at batch 32: the line must say so, and whether the blocks' spread
+    covers it."""
+    from helpers.ddp import STEP_SETTINGS, explain_step_times
+
+    parameters = {"simple": 8070, "cnn": 20490}
+
+    def medians(quiet_ms: float, spread: float, parameters: dict) -> tuple:
+        step_ms, blocks = {}, {}
+        values = {"one": 10.0, "half": 5.5, "quiet": quiet_ms, "ddp": 7.0, "two_threads": 8.0}
+        for model in parameters:
+            for key, value in values.items():
+                step_ms[f"{model}, {STEP_SETTINGS[key]}"] = value
+                blocks[f"{model}, {STEP_SETTINGS[key]}"] = [(value - spread / 2) / 1e3, value / 1e3, (value + spread / 2) / 1e3]
+            step_ms[f"{model}, all_reduce alone, {parameters[model]} floats"] = 0.3
+            blocks[f"{model}, all_reduce alone, {parameters[model]} floats"] = [0.3e-3] * 3
+        return step_ms, parameters, blocks
+
+    speedup = explain_step_times(*medians(5.4, 0.5, parameters))
+    out = capsys.readouterr().out
+    assert "removes 107%" in out and "cannot tell them apart" in out and speedup["cnn\n2 ranks"] == 10.0 / 7.0
+    explain_step_times(*medians(4.0, 0.1, parameters))
+    out = capsys.readouterr().out
+    assert "removes 200%" in out and "not noise between blocks alone" in out
+    explain_step_times(*medians(6.0, 0.1, parameters))
+    assert "over 100%" not in capsys.readouterr().out
