@@ -222,11 +222,11 @@ def check_all_gather(script: str | Path, nproc: int = 3, timeout: float = 60) ->
     try:
         run = launch(script, nproc=nproc, echo=False, timeout=timeout)
     except LaunchTimeout as error:
-        where = "; ".join(f"rank {rank}: {line}" for rank, line in sorted(error.where.items()))
+        where = "".join(f"\n  rank {rank}: {line}" for rank, line in sorted(error.where.items()))
         return not_yet(f"the script was still running after {timeout:g} s. A deadlock? "
                        f"(two ranks that both block in send, each waiting for the other to receive) "
-                       f"Where each rank was: {where or 'unknown'}. Next time, press Stop (■) as soon as it "
-                       "seems stuck: the launcher says the same at once.")
+                       f"Next time, press Stop (■) as soon as it seems stuck: the launcher says the same at once. "
+                       f"Where each rank was:{where or ' unknown'}")
     except WorkerFailed as error:
         # the exception's own line, not the rank number: which rank fails first varies between runs
         raised = [line.strip() for line in str(error).splitlines()

@@ -160,7 +160,11 @@ def where(dump: str, script: str, library_dirs: tuple[str, ...] = (), step: int 
     threads = [t for t in parse_stacks(dump) if t]
     if not threads:
         return "no Python stack (the process did not answer)"
-    main = next((t for t in threads if any(f == script for f, _, _ in t)), threads[-1])
+    main = next((t for t in threads if any(f == script for f, _, _ in t)), None)
+    if main is None:  # e.g. its main() returned and the rank waits for the others to exit
+        file, line, func = threads[-1][0]
+        return (f"not in {os.path.basename(script)}: it has returned, or not started yet (the process is in "
+                f"{func} at {os.path.basename(file)}:{line})")
     mine = next((i for i, (f, _, _) in enumerate(main) if not _is_library(f, library_dirs)), None)
     if mine is None:
         file, line, func = main[0]

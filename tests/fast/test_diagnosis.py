@@ -162,6 +162,9 @@ WHERE_RULES = [
     ("plain Python on the learner's line, no call: running",
      dump([(SCRIPT, 61, "<module>")]), 3, "running at train.py:61 (step 3)"),
     ("nothing in the dump (the process did not answer)", "", None, "no Python stack (the process did not answer)"),
+    ("no frame of the script: it returned (or has not started), so the launcher's frame is not blamed",
+     dump([("/repo/helpers/launcher/agent.py", 78, "launch_agent"), *FORKED_BELOW[1:]]), None,
+     "not in train.py: it has returned, or not started yet (the process is in launch_agent at agent.py:78)"),
 ]
 
 
