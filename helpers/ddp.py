@@ -267,6 +267,10 @@ def check_ddp_worker(script: str | Path, nproc: int = 2, timeout: float = 60) ->
                        f"Where each rank was: {where or 'unknown'}. Next time, press Stop (■) as soon as it "
                        "seems stuck: the launcher says the same at once.")
     except WorkerFailed as error:
+        if not re.search(r"^\s*[\w.]+(Error|Exception)\b", str(error), re.M):  # no rank raised: say who left
+            return not_yet(f"your script failed on {nproc} ranks: {str(error).strip().splitlines()[0]} A rank that "
+                           "finishes while another still waits in a collective ends like this on gloo: every rank "
+                           "must call the same collectives in the same order (is one inside `if rank == 0:`?).")
         return not_yet(f"your script failed on {nproc} ranks: {last_error_line(error)}")
     if sorted(run.results) != list(range(nproc)) or any("weights" not in r for r in run.results.values()):
         return not_yet("every rank must call result(weights=..., samples_seen=...) as the original script does.")

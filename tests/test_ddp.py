@@ -169,3 +169,19 @@ def test_step_time_explanation_says_why_a_share_is_over_100_percent(capsys):
     assert "removes 200%" in out and "not noise between blocks alone" in out
     explain_step_times(*medians(6.0, 0.1, parameters))
     assert "over 100%" not in capsys.readouterr().out
+
+
+def test_exercise_check_says_a_rank_left_when_a_collective_runs_on_rank_0_only(tmp_path, capsys):
+    # the seventh walkthrough's wrong answer: the by-hand all_reduce only on rank 0. On gloo it does not hang:
+    # rank 1 finishes and exits, rank 0's all_reduce loses its peer. The check must say that, not a bare "runs".
+    solution = (WORKERS / "ddp_exercise_by_hand_solution.py").read_text()
+    mistake = "            dist.all_reduce(parameter.grad)"
+    assert mistake in solution
+    script = tmp_path / "attempt.py"
+    script.write_text(solution.replace(mistake, "            if rank == 0:\n    " + mistake))
+    assert not check_ddp_worker(script, timeout=30)
+    verdict = capsys.readouterr().out.splitlines()[-1]
+    if "still running after" in verdict:  # it hung instead (possible on another backend or a slower exit)
+        assert "rank 0: " in verdict
+    else:
+        assert "same collectives in the same order" in verdict and "rank" in verdict and not verdict.endswith("runs")
