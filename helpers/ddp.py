@@ -142,7 +142,10 @@ def explain_step_times(step_ms: dict[str, float], parameters: dict[str, int],
             speedup[f"{model}\n{short}"] = one / value
         bare = step_ms[f"{model}, all_reduce alone, {parameters[model]} floats"]
         sharing, all_reduce = quiet - half, ddp - quiet
-        print(f"{name}: 1 rank {one:.2f} ms per step at batch 64, {half:.2f} ms at batch 32 "
+        print(f"{name}: against 1 rank x 1 thread, DDP on 2 ranks ran at {one / ddp:.2g}x the speed "
+              f"({_speed_word(one / ddp)}), 2 threads in one process at {one / two_threads:.2g}x "
+              f"({_speed_word(one / two_threads)}); medians of this run. The detail:")
+        print(f"  1 rank {one:.2f} ms per step at batch 64, {half:.2f} ms at batch 32 "
               f"(halving the batch saved {1 - half / one:.0%} of the step);\n"
               f"  2 ranks without the all-reduce: {quiet:.2f} ms ({sharing:+.2f} ms against 1 rank at batch 32: "
               f"2 processes on 2 shared cores, and DDP's bookkeeping);\n"
@@ -182,8 +185,6 @@ def explain_step_times(step_ms: dict[str, float], parameters: dict[str, int],
         else:
             print("  Here DDP was not slower than the control: this run's noise is larger than what the all-reduce "
                   "costs, so it cannot split the 2-rank step.")
-        print(f"  Against 1 rank, DDP on 2 ranks ran at {one / ddp:.2g}x the speed ({_speed_word(one / ddp)}), "
-              f"2 threads in one process at {one / two_threads:.2g}x ({_speed_word(one / two_threads)}).")
     return speedup
 
 
