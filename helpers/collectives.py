@@ -19,7 +19,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.patches import Rectangle
 
-from helpers.checks import correct, not_yet
+from helpers.checks import announce_run, correct, each_rank, not_yet
 from helpers.launcher.api import LaunchTimeout, Run, WorkerFailed, launch
 
 RANK_COLOURS = plt.get_cmap("tab10").colors
@@ -216,17 +216,14 @@ def check_all_gather(script: str | Path, nproc: int = 3, timeout: float = 60) ->
     if called:  # a broadcast per rank, or an all_reduce of padded tensors, also gives the right answer
         return not_yet(f"build it from send/recv (or isend/irecv), without calling dist.{called} "
                        "or any other collective (the exercise allows send, recv, isend and irecv only).")
-    print(f"Running {Path(script).name} on {nproc} ranks (usually a few seconds; the check gives up after "
-          f"{timeout:g} s). If nothing comes back within 10 s, press Stop (■): the launcher then says where each "
-          "rank is waiting.", flush=True)
+    announce_run(Path(script).name, nproc, timeout, stop_after=10)
     try:
         run = launch(script, nproc=nproc, echo=False, timeout=timeout)
     except LaunchTimeout as error:
-        where = "".join(f"\n  rank {rank}: {line}" for rank, line in sorted(error.where.items()))
         return not_yet(f"the script was still running after {timeout:g} s. A deadlock? "
                        f"(two ranks that both block in send, each waiting for the other to receive) "
                        f"Next time, press Stop (■) as soon as it seems stuck: the launcher says the same at once. "
-                       f"Where each rank was:{where or ' unknown'}")
+                       f"Where each rank was:{each_rank(error.where)}")
     except WorkerFailed as error:
         # the exception's own line, not the rank number: which rank fails first varies between runs
         raised = [line.strip() for line in str(error).splitlines()

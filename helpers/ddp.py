@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from helpers import WORKERS
-from helpers.checks import correct, not_yet
+from helpers.checks import announce_run, correct, each_rank, not_yet
 from helpers.tensors import flat, max_abs_diff, parameter_checksum
 
 
@@ -256,17 +256,14 @@ def check_ddp_worker(script: str | Path, nproc: int = 2, timeout: float = 60) ->
     if not script.is_file():
         return not_yet(f"{script} does not exist yet: write your DDP worker there first.")
     reference = _one_process_reference()
-    print(f"Running {script.name} on {nproc} ranks (usually a few seconds; the check gives up after {timeout:g} s). "
-          f"If nothing comes back within {min(15, timeout):g} s, press Stop (■): the launcher then says where each rank "
-          "is waiting.", flush=True)
+    announce_run(script.name, nproc, timeout, stop_after=min(15, timeout))
     try:
         run = launch(script, nproc=nproc, echo=False, timeout=timeout)
     except LaunchTimeout as error:
-        where = "; ".join(f"rank {rank}: {line}" for rank, line in sorted(error.where.items()))
         return not_yet(f"your script was still running after {timeout:g} s. A collective that not every rank "
-                       f"calls (say, all_reduce or broadcast inside `if rank == 0:`) waits forever for the others. "
-                       f"Where each rank was: {where or 'unknown'}. Next time, press Stop (■) as soon as it "
-                       "seems stuck: the launcher says the same at once.")
+                       f"calls (say, all_reduce or broadcast inside `if rank == 0:`) waits for the others until the "
+                       f"process group's timeout. Next time, press Stop (■) as soon as it seems stuck: the launcher "
+                       f"says the same at once. Where each rank was:{each_rank(error.where)}")
     except WorkerFailed as error:
         if not re.search(r"^\s*[\w.]+(Error|Exception)\b", str(error), re.M):  # no rank raised: say who left
             return not_yet(f"your script failed on {nproc} ranks: {str(error).strip().splitlines()[0]} A rank that "

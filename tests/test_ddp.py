@@ -57,6 +57,15 @@ def test_exercise_check_says_not_yet_on_the_start_and_correct_on_both_solutions(
         assert "\nCorrect: " in capsys.readouterr().out
 
 
+def _attempt(tmp_path, solution: str, mistake: str, replacement: str):
+    """A learner's wrong answer: a solution file with one line changed, written to tmp_path/attempt.py."""
+    text = (WORKERS / solution).read_text()
+    assert mistake in text
+    script = tmp_path / "attempt.py"
+    script.write_text(text.replace(mistake, replacement))
+    return script
+
+
 @pytest.mark.parametrize("solution, mistake, replacement, message", [
     ("ddp_exercise_solution.py", "ddp_model = DDP(model)", "ddp_model = model",
      "wrap the model in DistributedDataParallel"),
@@ -73,11 +82,7 @@ def test_exercise_check_says_not_yet_on_the_start_and_correct_on_both_solutions(
      "summed over the ranks and not averaged: divide the all_reduce's sum by world_size"),
 ])
 def test_exercise_check_names_what_is_missing(tmp_path, capsys, solution, mistake, replacement, message):
-    solution = (WORKERS / solution).read_text()
-    assert mistake in solution
-    script = tmp_path / "attempt.py"
-    script.write_text(solution.replace(mistake, replacement))
-    assert not check_ddp_worker(script)
+    assert not check_ddp_worker(_attempt(tmp_path, solution, mistake, replacement))
     out = capsys.readouterr().out
     assert "\nNot yet: " in out and message in out
 
@@ -85,26 +90,19 @@ def test_exercise_check_names_what_is_missing(tmp_path, capsys, solution, mistak
 def test_exercise_check_says_where_each_rank_waits_when_the_script_hangs(tmp_path, capsys):
     # the walkthrough's wrong answer: broadcast the starting weights on rank 0 only. Rank 0 waits in a
     # broadcast that rank 1 never joins, and rank 1 waits in an all_reduce that rank 0 never reaches.
-    solution = (WORKERS / "ddp_exercise_by_hand_solution.py").read_text()
     mistake = "        dist.broadcast(parameter.data, src=0)"
-    assert mistake in solution
-    script = tmp_path / "attempt.py"
-    script.write_text(solution.replace(mistake, "        if rank == 0:\n    " + mistake))
+    script = _attempt(tmp_path, "ddp_exercise_by_hand_solution.py", mistake, "        if rank == 0:\n    " + mistake)
     assert not check_ddp_worker(script, timeout=20)
     out = capsys.readouterr().out
     assert out.startswith("Running attempt.py on 2 ranks") and "press Stop (■)" in out.splitlines()[0]
-    verdict = out.splitlines()[-1]
+    verdict = out[out.index("Not yet: "):]
     assert verdict.startswith("Not yet: your script was still running after 20 s")
     # each rank's location, not the bare "Full stacks: runs  Logs: runs" the old message left
     assert "rank 0: " in verdict and "rank 1: " in verdict and "attempt.py" in verdict
 
 
 def test_exercise_check_says_print_only_on_rank_0(tmp_path, capsys):
-    solution = (WORKERS / "ddp_exercise_solution.py").read_text()
-    mistake = "    if rank == 0:\n        print("
-    assert mistake in solution
-    script = tmp_path / "attempt.py"
-    script.write_text(solution.replace(mistake, "    if True:\n        print("))
+    script = _attempt(tmp_path, "ddp_exercise_solution.py", "    if rank == 0:\n        print(", "    if True:\n        print(")
     assert not check_ddp_worker(script)
     out = capsys.readouterr().out
     assert "Not yet: the training is right, but rank 1 printed too" in out and "print only on rank 0" in out
@@ -174,13 +172,11 @@ def test_step_time_explanation_says_why_a_share_is_over_100_percent(capsys):
 def test_exercise_check_says_a_rank_left_when_a_collective_runs_on_rank_0_only(tmp_path, capsys):
     # the seventh walkthrough's wrong answer: the by-hand all_reduce only on rank 0. On gloo it does not hang:
     # rank 1 finishes and exits, rank 0's all_reduce loses its peer. The check must say that, not a bare "runs".
-    solution = (WORKERS / "ddp_exercise_by_hand_solution.py").read_text()
     mistake = "            dist.all_reduce(parameter.grad)"
-    assert mistake in solution
-    script = tmp_path / "attempt.py"
-    script.write_text(solution.replace(mistake, "            if rank == 0:\n    " + mistake))
+    script = _attempt(tmp_path, "ddp_exercise_by_hand_solution.py", mistake, "            if rank == 0:\n    " + mistake)
     assert not check_ddp_worker(script, timeout=30)
-    verdict = capsys.readouterr().out.splitlines()[-1]
+    out = capsys.readouterr().out
+    verdict = out[out.index("Not yet: "):]
     if "still running after" in verdict:  # it hung instead (possible on another backend or a slower exit)
         assert "rank 0: " in verdict
     else:
