@@ -26,9 +26,7 @@ def mp_spawn_from_notebook(function: Callable, nprocs: int = 2, args: tuple = ()
 
     from helpers.launcher.processes import LaunchServer
 
-    if LaunchServer.running():  # a fresh interpreter imports torch again: do not hold the server's copy beside it
-        LaunchServer.instance.proc.stdin.close()  # the server exits when its input closes (launcher/server.py)
-        LaunchServer.instance.proc.wait(timeout=30)
+    if LaunchServer.stop() is not None:  # a fresh interpreter imports torch again: not beside the server's copy
         print("(This kernel's launch server was stopped first, so that it and the spawned interpreter do not add up "
               "in memory; the next launch starts a new one.)")
     # spawn logs "Terminating process <pid>" while cleaning up; the short error below says it all

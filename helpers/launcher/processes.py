@@ -55,6 +55,15 @@ class LaunchServer:
         return cls.instance is not None and cls.instance.proc.poll() is None
 
     @classmethod
+    def stop(cls, timeout: float = 30) -> int | None:
+        """Stop the running server (it exits when its input closes, server.py's main); return its exit code, or None
+        when none was running. The next launch starts a new one."""
+        if not cls.running():
+            return None
+        cls.instance.proc.stdin.close()
+        return cls.instance.proc.wait(timeout=timeout)
+
+    @classmethod
     def get(cls) -> tuple[LaunchServer, float]:
         """The running server and how long this call spent starting it (0 when already up)."""
         if cls.instance is None or cls.instance.proc.poll() is not None:
