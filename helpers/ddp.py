@@ -122,6 +122,15 @@ STEP_SETTINGS = {"one": "1 rank(s) x 1 thread(s)", "two_threads": "1 rank(s) x 2
                  "half": "1 rank(s) x 1 thread(s), batch 32"}
 
 
+def _batch_saving(one: float, half: float) -> str:
+    """What halving the batch did to one rank's step, in words that stay true when it saved nothing."""
+    saved = 1 - half / one
+    if abs(saved) < 0.005:
+        return "halving the batch did not change the step time"
+    return f"halving the batch saved {saved:.0%} of the step" if saved > 0 else \
+        f"at half the batch the step took {-saved:.0%} longer"
+
+
 def _speed_word(ratio: float) -> str:
     return "about the same" if 0.9 <= ratio <= 1.1 else "faster" if ratio > 1 else "slower"
 
@@ -146,7 +155,7 @@ def explain_step_times(step_ms: dict[str, float], parameters: dict[str, int],
               f"({_speed_word(one / ddp)}), 2 threads in one process at {one / two_threads:.2g}x "
               f"({_speed_word(one / two_threads)}); medians of this run. The detail:")
         print(f"  1 rank {one:.2f} ms per step at batch 64, {half:.2f} ms at batch 32 "
-              f"(halving the batch saved {1 - half / one:.0%} of the step);\n"
+              f"({_batch_saving(one, half)});\n"
               f"  2 ranks without the all-reduce: {quiet:.2f} ms ({sharing:+.2f} ms against 1 rank at batch 32: "
               f"2 processes on 2 shared cores, and DDP's bookkeeping);\n"
               f"  2 ranks with DDP's all-reduce:  {ddp:.2f} ms ({all_reduce:+.2f} ms against no all-reduce: the "
@@ -161,7 +170,8 @@ def explain_step_times(step_ms: dict[str, float], parameters: dict[str, int],
             if share > 1:
                 spread = {key: 1e3 * (max(blocks[label]) - min(blocks[label])) for key, label in
                           (("half", f"{model}, {STEP_SETTINGS['half']}"), ("quiet", f"{model}, {STEP_SETTINGS['quiet']}"))}
-                noise = (f"the blocks of those two settings spread over {spread['half']:.2f} and {spread['quiet']:.2f} ms, "
+                noise = (f"the blocks of those two settings spread over {spread['quiet']:.2f} ms (no all-reduce) and "
+                         f"{spread['half']:.2f} ms (1 rank at batch 32), "
                          f"so this run cannot tell them apart: read it as all of the extra"
                          if -sharing < max(spread.values()) else
                          "more than either setting's spread over its blocks, so not noise between blocks alone; this "
