@@ -150,11 +150,15 @@ def load_in_one_process(folder: str | os.PathLike, truth_file: str | os.PathLike
 
 def measure_launch(start_run: Callable[[], Any], every: float = 0.1) -> dict[str, Any]:
     """Run `start_run()` while sampling this process's descendants (launch server, agents, workers): their
-    largest summed PSS, the number of distinct descendant processes seen during the run, and the wall time.
+    largest summed PSS, the number of distinct descendant processes, and the wall time.
     Linux (PSS from /proc). Only descendants are sampled: this process's own memory is not counted.
-    Processes are counted by pid over the whole run, not as the most alive in one sample: reading PSS of a
-    torch process is slow next to a worker's life on a busy machine, and one sample can miss some."""
+    Processes are counted by pid over the whole run, not as the most alive in one sample, and the count
+    adds what the run folders recorded (each worker's pid and its agent's): reading PSS of a torch process
+    is slow next to a worker's life on a busy machine, so sampling alone can miss a worker (it did in CI,
+    counting a two-agent launch as no more processes than a one-agent one)."""
     import psutil
+
+    from helpers.launcher.run_folder import registered_processes
 
     peak = {"pss": 0}
     seen: set[int] = set()
@@ -180,7 +184,11 @@ def measure_launch(start_run: Callable[[], Any], every: float = 0.1) -> dict[str
     finally:
         stop.set()
         sampler.join()
-    return {"value": value, "seconds": time.perf_counter() - started, "processes": len(seen), **peak}
+    seconds = time.perf_counter() - started
+    for run in value if isinstance(value, (list, tuple)) else [value]:
+        if getattr(run, "log_dir", None) is not None:
+            seen |= registered_processes(run.log_dir)
+    return {"value": value, "seconds": seconds, "processes": len(seen), **peak}
 
 
 # ---------------------------------------------------------------------------- the exercise

@@ -174,6 +174,14 @@ def test_measure_launch_sees_child_processes():
     assert measured["seconds"] >= 0.6
 
 
+def test_measure_launch_counts_the_workers_and_agents_a_run_recorded():
+    # Sampling once, before anything starts (every=1 hour), sees none of the launch's processes: the count
+    # must still hold the agent and both workers, from the run folder. Catches a count from sampling alone,
+    # which missed a short-lived worker in CI.
+    measured = measure_launch(lambda: launch(WORKERS / "whoami.py", nproc=2, echo=False), every=3600)
+    assert measured["processes"] >= 3  # one agent and two workers
+
+
 @pytest.mark.parametrize("mesh_for, words", [
     (lambda nodes, gpus: ((nodes, gpus), ("dp", "tp")), "Correct:"),
     (lambda nodes, gpus: ((nodes * gpus,), ("dp",)), "named the dimensions"),  # the starting code

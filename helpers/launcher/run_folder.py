@@ -93,6 +93,7 @@ def identity() -> dict:
         "node": int(os.environ.get("HELPERS_NODE", os.environ.get("GROUP_RANK", 0))),
         "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
         "pid": os.getpid(),
+        "parent": os.getppid(),  # the agent that started this worker
     }
 
 
@@ -105,6 +106,12 @@ def registered_count(run_dir: str | os.PathLike, attempt: int, node: int) -> int
 def registered_pids(run_dir: str | os.PathLike) -> list[int]:
     """The pid of every worker the run registered, any rank and attempt (for checks that nothing is left)."""
     return [read_json(path)["pid"] for path in sorted(Path(run_dir, "workers").glob("rank*-attempt*.json"))]
+
+
+def registered_processes(run_dir: str | os.PathLike) -> set[int]:
+    """Every worker the run registered and each one's parent (its agent): the processes it is known to have used."""
+    records = [read_json(path) for path in Path(run_dir, "workers").glob("rank*-attempt*.json")]
+    return {record["pid"] for record in records} | {record["parent"] for record in records if "parent" in record}
 
 
 def tracebacks(run_dir: str | os.PathLike) -> dict[int, str]:
