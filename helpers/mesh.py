@@ -263,11 +263,16 @@ print(json.dumps(groups))
 
 def mesh_groups(shape: tuple[int, ...], names: tuple[str, ...]) -> dict[int, dict[str, list[int]]]:
     """Every rank's group along each mesh dimension, as torch's init_device_mesh builds them: run in a child
-    process with torch's fake backend (one process plays each rank in turn; no collective runs)."""
+    process with torch's fake backend (one process plays each rank in turn; no collective runs).
+    The child imports torch afresh, so this kernel's launch server is stopped first (stop_launch_server_for):
+    beside the kernel and the server, a third copy of torch's memory took lesson 10 over its 1.5 GiB budget."""
     import json
     import subprocess
     import sys
 
+    from helpers.launcher.processes import stop_launch_server_for
+
+    stop_launch_server_for("the child interpreter")
     done = subprocess.run([sys.executable, "-c", _GROUPS_OF_EVERY_RANK, json.dumps([list(shape), list(names)])],
                           capture_output=True, text=True, timeout=120)
     if done.returncode != 0:

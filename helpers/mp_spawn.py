@@ -24,11 +24,9 @@ def mp_spawn_from_notebook(function: Callable, nprocs: int = 2, args: tuple = ()
 
     import torch.multiprocessing as mp
 
-    from helpers.launcher.processes import LaunchServer
+    from helpers.launcher.processes import stop_launch_server_for
 
-    if LaunchServer.stop() is not None:  # a fresh interpreter imports torch again: not beside the server's copy
-        print("(This kernel's launch server was stopped first, so that it and the spawned interpreter do not add up "
-              "in memory; the next launch starts a new one.)")
+    stop_launch_server_for("the spawned interpreter")
     # spawn logs "Terminating process <pid>" while cleaning up; the short error below says it all
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     with tempfile.TemporaryDirectory() as folder:

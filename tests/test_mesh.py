@@ -175,11 +175,18 @@ def test_measure_launch_sees_child_processes():
 
 
 def test_measure_launch_counts_the_workers_and_agents_a_run_recorded():
-    # Sampling once, before anything starts (every=1 hour), sees none of the launch's processes: the count
-    # must still hold the agent and both workers, from the run folder. Catches a count from sampling alone,
-    # which missed a short-lived worker in CI.
+    # With the launch server already up, the one sample taken before the launch (every=1 hour) sees only what
+    # ran before it; the launch adds one agent and two workers, known only from the run folder (each worker's pid
+    # and its parent). Catches a count from sampling alone (it missed a short-lived worker in CI) and one that
+    # leaves out the agents (the registered workers alone would make it before + 2).
+    import psutil
+
+    from helpers.launcher.processes import LaunchServer
+
+    LaunchServer.get()
+    before = len(psutil.Process().children(recursive=True))
     measured = measure_launch(lambda: launch(WORKERS / "whoami.py", nproc=2, echo=False), every=3600)
-    assert measured["processes"] >= 3  # one agent and two workers
+    assert measured["processes"] == before + 3
 
 
 @pytest.mark.parametrize("mesh_for, words", [

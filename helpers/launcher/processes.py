@@ -36,6 +36,17 @@ def child_env() -> dict[str, str]:
     return env
 
 
+def stop_launch_server_for(what: str) -> bool:
+    """Stop this kernel's launch server before `what` imports torch afresh (a spawned or fresh interpreter), so
+    that the server's copy of torch and the new one do not add up in memory; say so when it was running.
+    The next launch starts a new server (a second or two). Returns whether one was running."""
+    if LaunchServer.stop() is None:
+        return False
+    print(f"(This kernel's launch server was stopped first, so that it and {what} do not add up in memory; the next "
+          "launch starts a new one.)")
+    return True
+
+
 class LaunchServer:
     """The kernel's handle on helpers/launcher/server.py (started once, on first use)."""
 
