@@ -12,6 +12,7 @@ compares tracebacks, so rewriting them to repository-relative paths changes no c
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import sys
@@ -32,7 +33,11 @@ def _client_class():
         in one trial, 1 of 30 in another; each time at its widget cell) the kernel finishes a cell and goes idle, but its execute_reply
         never reaches the runner, which then waits out the timeout (jupyter/nbclient#312, open). When the timeout
         comes after the kernel's idle status for that very cell, the cell did finish: its outputs are all in, so
-        the run goes on, and says so on stderr. Any other timeout is a real one and fails as before."""
+        the run goes on, and says so on stderr. Any other timeout is a real one and fails as before.
+        The reply normally follows the idle status within milliseconds, so once the cell's outputs are complete
+        the runner waits REPLY_GRACE seconds for it, not the whole cell timeout (a lost reply used to cost 300 s)."""
+
+        REPLY_GRACE = 20.0  # seconds after the cell's idle status
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
@@ -42,6 +47,27 @@ def _client_class():
             if msg["msg_type"] == "status" and msg["content"].get("execution_state") == "idle":
                 self.finished_cells.add(id(cell))
             return super().process_message(msg, cell, cell_index)
+
+        async def _async_poll_for_reply(self, msg_id, cell, timeout, task_poll_output_msg, task_poll_kernel_alive):
+            reply = asyncio.ensure_future(super()._async_poll_for_reply(
+                msg_id, cell, timeout, task_poll_output_msg, task_poll_kernel_alive))
+            try:
+                await asyncio.wait({reply, task_poll_output_msg}, return_when=asyncio.FIRST_COMPLETED)
+                if not reply.done() and task_poll_output_msg.done() and not task_poll_output_msg.cancelled() \
+                        and task_poll_output_msg.exception() is None and id(cell) in self.finished_cells:
+                    await asyncio.wait({reply}, timeout=self.REPLY_GRACE)
+                    if not reply.done():
+                        reply.cancel()
+                        task_poll_kernel_alive.cancel()
+                        print(f"notebook_tools: the kernel went idle after the cell but its reply did not come within "
+                              f"{self.REPLY_GRACE:g} s (jupyter/nbclient#312); its outputs are complete, going on",
+                              file=sys.stderr)
+                        return {"content": {"status": "ok", "execution_count": cell.get("execution_count")},
+                                "parent_header": {"msg_id": msg_id}}
+                return await reply
+            except asyncio.CancelledError:  # nbclient cancels the poll when the kernel died
+                reply.cancel()
+                raise
 
         async def _async_handle_timeout(self, timeout, cell=None):
             if cell is not None and id(cell) in self.finished_cells:

@@ -46,3 +46,62 @@ def test_another_cells_idle_status_does_not_count():
         client.process_message(_status("idle"), other, 1)
     with pytest.raises(CellTimeoutError):
         asyncio.run(client._async_handle_timeout(1, cell))
+
+
+class _SilentShell:
+    """A shell channel on which the execute_reply never comes (what nbclient#312 looks like to the runner)."""
+
+    async def get_msg(self, timeout=None):
+        await asyncio.sleep(timeout)
+        from queue import Empty
+        raise Empty
+
+
+class _Kernel:
+    shell_channel = _SilentShell()
+
+
+async def _poll_with_outputs_done(client, cell, timeout: float) -> tuple[dict, float]:
+    import time
+
+    client.kc = _Kernel()
+    client.REPLY_GRACE = 0.2
+
+    async def outputs():  # the cell's output loop, ended by its idle status
+        with pytest.raises(CellExecutionComplete):
+            client.process_message(_status("idle"), cell, 0)
+
+    alive = asyncio.ensure_future(asyncio.sleep(3600))
+    started = time.monotonic()
+    reply = await client._async_poll_for_reply("m1", cell, timeout, asyncio.ensure_future(outputs()), alive)
+    return reply, time.monotonic() - started
+
+
+def test_a_lost_reply_costs_the_grace_period_not_the_cell_timeout(capsys):
+    # Catches a runner that waits out the whole cell timeout (300 s in use; 30 s here) for a reply that never comes.
+    client, cell = _client_and_cell()
+    reply, waited = asyncio.run(_poll_with_outputs_done(client, cell, timeout=30))
+    assert reply["content"]["status"] == "ok" and reply["parent_header"]["msg_id"] == "m1"
+    assert waited < 5
+    assert "within 0.2 s" in capsys.readouterr().err
+
+
+def test_a_cell_still_running_is_not_cut_short_by_the_grace_period():
+    # Catches a grace period that starts before the cell's idle status: with outputs still coming, the runner
+    # must wait for the reply (here: until the cell timeout, 1 s, which fails as a real timeout).
+    client, cell = _client_and_cell()
+    client.kc = _Kernel()
+    client.REPLY_GRACE = 0.01
+
+    async def run():
+        alive = asyncio.ensure_future(asyncio.sleep(3600))
+        outputs = asyncio.ensure_future(asyncio.sleep(3600))  # the cell's output loop: still going
+        client._async_check_alive = _alive
+        return await client._async_poll_for_reply("m2", cell, 1, outputs, alive)
+
+    with pytest.raises(CellTimeoutError):
+        asyncio.run(run())
+
+
+async def _alive():
+    return None
