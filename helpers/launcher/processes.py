@@ -39,6 +39,7 @@ def child_env() -> dict[str, str]:
 def stop_launch_server_for(what: str) -> bool:
     """Stop this kernel's launch server before `what` imports torch afresh (a spawned or fresh interpreter), so
     that the server's copy of torch and the new one do not add up in memory; say so when it was running.
+    Any launch still running under it is killed with it (server.py: every agent group dies when its input closes).
     The next launch starts a new server (a second or two). Returns whether one was running."""
     if LaunchServer.stop() is None:
         return False

@@ -35,7 +35,10 @@ def _client_class():
         comes after the kernel's idle status for that very cell, the cell did finish: its outputs are all in, so
         the run goes on, and says so on stderr. Any other timeout is a real one and fails as before.
         The reply normally follows the idle status within milliseconds, so once the cell's outputs are complete
-        the runner waits REPLY_GRACE seconds for it, not the whole cell timeout (a lost reply used to cost 300 s)."""
+        the runner waits REPLY_GRACE seconds for it, not the whole cell timeout (a lost reply used to cost 300 s).
+        The "ok" put in place of a lost reply loses no error only because execute() runs with allow_errors=True and
+        reads errors from the cell's outputs, which are complete by then; with allow_errors=False a failed cell
+        whose reply was lost would not raise."""
 
         REPLY_GRACE = 20.0  # seconds after the cell's idle status
 

@@ -60,6 +60,22 @@ class _SilentShell:
 class _Kernel:
     shell_channel = _SilentShell()
 
+    async def is_alive(self):  # what nbclient asks when the reply times out
+        return True
+
+
+class _LateShell:
+    """A shell channel whose execute_reply comes 0.1 s after the cell's idle status, with the kernel's own status."""
+
+    async def get_msg(self, timeout=None):
+        await asyncio.sleep(0.1)
+        return {"parent_header": {"msg_id": "m3"}, "content": {"status": "error", "execution_count": 7},
+                "header": {"date": None}}
+
+
+class _LateKernel(_Kernel):
+    shell_channel = _LateShell()
+
 
 async def _poll_with_outputs_done(client, cell, timeout: float) -> tuple[dict, float]:
     import time
@@ -105,3 +121,23 @@ def test_a_cell_still_running_is_not_cut_short_by_the_grace_period():
 
 async def _alive():
     return None
+
+
+def test_a_reply_within_the_grace_period_is_the_one_returned():
+    # Catches a runner that answers "ok" as soon as the outputs are complete without waiting for the reply: the
+    # kernel's own reply (here an error status) must win when it comes within the grace period.
+    client, cell = _client_and_cell()
+
+    async def run():
+        client.kc = _LateKernel()
+        client.REPLY_GRACE = 5
+
+        async def outputs():
+            with pytest.raises(CellExecutionComplete):
+                client.process_message(_status("idle"), cell, 0)
+
+        alive = asyncio.ensure_future(asyncio.sleep(3600))
+        return await client._async_poll_for_reply("m3", cell, 30, asyncio.ensure_future(outputs()), alive)
+
+    reply = asyncio.run(run())
+    assert reply["content"] == {"status": "error", "execution_count": 7}
