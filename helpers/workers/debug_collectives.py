@@ -15,7 +15,7 @@ Tools: --monitored   monitored_barrier instead of barrier (gloo only): rank 0 na
        TORCH_DISTRIBUTED_DEBUG=DETAIL (launch(..., debug=True)): each collective is compared across ranks first
        --flight-recorder DIR  each rank dumps torch's Flight Recorder (on by default: the last 2000
                               collectives; TORCH_FR_BUFFER_SIZE sizes it, 0 turns it off) to DIR/rank<N>
-                              every second while it runs and at the end; when a collective raises, the
+                              four times a second while it runs and at the end; when a collective raises, the
                               dumps stop and a last one goes to DIR/after_error/rank<N>, so that DIR/rank<N>
                               keeps the state during the hang
        --stacks-on-signal   faulthandler.register(SIGUSR1): `kill -USR1 <pid>` prints every thread's Python
@@ -95,10 +95,12 @@ def dump_flight_record(folder: str, rank: int) -> None:
     os.replace(temporary, path)
 
 
-def keep_dumping(folder: str, rank: int, seconds: float = 1.0) -> threading.Event:
+def keep_dumping(folder: str, rank: int, seconds: float = 0.25) -> threading.Event:
     """Dump every `seconds` from a background thread: the rank whose collective fails second can be stopped by
-    the agent before its own error arrives, and gloo dumps nothing by itself. The main thread, blocked in a
-    collective, has released the GIL, so this thread runs meanwhile. Setting the returned event stops it."""
+    the agent before its own error arrives, and gloo dumps nothing by itself. Often: a hang of 3 s leaves a dump
+    once a second little room on a loaded machine (lesson 08's Flight Recorder check failed once that way, in a test
+    run beside other work). The main thread, blocked in a collective, has released the GIL, so this thread runs
+    meanwhile. Setting the returned event stops it."""
     stop = threading.Event()
 
     def loop() -> None:
