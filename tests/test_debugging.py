@@ -145,3 +145,25 @@ def test_stacks_on_signal_prints_the_hung_rank_stack_to_its_log():
     log = job.to_run().logs[1]
     frames = main_thread_frames(log[log.index("Current thread"):], "debug_collectives.py")
     assert frames[0].startswith("all_reduce (") and frames[-1].startswith("<module> (debug_collectives.py")
+
+
+def test_the_during_the_hang_dump_is_chosen_by_the_clock(tmp_path, monkeypatch):
+    # Our worker's mechanism, not torch's: on an error, rank<N> must hold the last background dump taken at least
+    # `margin` seconds before the error was caught, not the newest one (which can show the failure: C++ retires the
+    # collective before Python raises). Catches a worker that leaves the newest dump in place.
+    import importlib.util
+    import time
+
+    spec = importlib.util.spec_from_file_location("debug_collectives", COLLECTIVES)
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    monkeypatch.setattr(worker, "flight_record", lambda: repr(time.monotonic()).encode())  # each dump: its time
+    dumping = worker.KeepDumping(str(tmp_path), rank=0, seconds=0.02, margin=0.3)
+    time.sleep(0.6)
+    failed_at = time.monotonic()
+    time.sleep(0.1)  # dumps go on after the failure, until the error is caught
+    newest = float((tmp_path / "rank0").read_bytes())
+    dumping.stop_before(failed_at=failed_at)
+    kept = float((tmp_path / "rank0").read_bytes())
+    assert newest > failed_at - 0.3  # the newest dump was too late: what the choice must undo
+    assert failed_at - 0.3 - 0.25 < kept <= failed_at - 0.3  # and it is one of the last before that point

@@ -16,8 +16,8 @@ Tools: --monitored   monitored_barrier instead of barrier (gloo only): rank 0 na
        --flight-recorder DIR  each rank dumps torch's Flight Recorder (on by default: the last 2000
                               collectives; TORCH_FR_BUFFER_SIZE sizes it, 0 turns it off) to DIR/rank<N>
                               four times a second while it runs and at the end; when a collective raises, the
-                              dumps stop and a last one goes to DIR/after_error/rank<N>, so that DIR/rank<N>
-                              keeps the state during the hang
+                              dumps stop, DIR/rank<N> becomes the last dump taken at least 0.5 s before the
+                              error (the state during the hang) and a last one goes to DIR/after_error/rank<N>
        --stacks-on-signal   faulthandler.register(SIGUSR1): `kill -USR1 <pid>` prints every thread's Python
                               stack to this rank's stderr (replaces the course launcher's own SIGUSR1 handler);
                               also allow_any_tracer(), so that py-spy may attach without root under ptrace_scope=1
@@ -83,32 +83,55 @@ def train(args: argparse.Namespace, rank: int) -> tuple[int, float]:
     return step, samples.item()
 
 
-def dump_flight_record(folder: str, rank: int) -> None:
-    """Write this rank's Flight Recorder (torch's pickle format) to folder/rank<N>, atomically.
-    `_dump_fr_trace` is the recorder of CPU (gloo) collectives; NCCL's is `_dump_nccl_trace`."""
+def flight_record() -> bytes:
+    """This rank's Flight Recorder, in torch's pickle format. `_dump_fr_trace` is the recorder of CPU (gloo)
+    collectives; NCCL's is `_dump_nccl_trace`."""
     from torch._C._distributed_c10d import _dump_fr_trace
 
+    return _dump_fr_trace()
+
+
+def write_flight_record(folder: str, rank: int, data: bytes) -> None:
+    """Write one dump to folder/rank<N>, atomically."""
     os.makedirs(folder, exist_ok=True)
     path, temporary = os.path.join(folder, f"rank{rank}"), os.path.join(folder, f".rank{rank}.tmp")
     with open(temporary, "wb") as file:
-        file.write(_dump_fr_trace())
+        file.write(data)
     os.replace(temporary, path)
 
 
-def keep_dumping(folder: str, rank: int, seconds: float = 0.25) -> threading.Event:
+class KeepDumping:
     """Dump every `seconds` from a background thread: the rank whose collective fails second can be stopped by
-    the agent before its own error arrives, and gloo dumps nothing by itself. Often: a hang of 3 s leaves a dump
-    once a second little room on a loaded machine (lesson 08's Flight Recorder check failed once that way, in a test
-    run beside other work). The main thread, blocked in a collective, has released the GIL, so this thread runs
-    meanwhile. Setting the returned event stops it."""
-    stop = threading.Event()
+    the agent before its own error arrives, and gloo dumps nothing by itself. The main thread, blocked in a
+    collective, has released the GIL, so this thread runs meanwhile.
 
-    def loop() -> None:
-        while not stop.wait(seconds):
-            dump_flight_record(folder, rank)
+    A collective that fails is retired in C++ before Python raises, and a dump can land in between: it then shows
+    the failure, not the hang (lesson 08's during-the-hang check failed that way). So on an error `stop_before`
+    waits for the thread and writes back, as rank<N>, the last dump taken at least `margin` seconds before the
+    error was caught: chosen by time, not by what the dump holds."""
 
-    threading.Thread(target=loop, daemon=True).start()
-    return stop
+    def __init__(self, folder: str, rank: int, seconds: float = 0.25, margin: float = 0.5):
+        self.folder, self.rank, self.seconds, self.margin = folder, rank, seconds, margin
+        self.taken: list[tuple[float, bytes]] = []  # (when the dump call returned, the dump), newest last
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while not self.stop.wait(self.seconds):
+            data = flight_record()
+            self.taken = [*self.taken[-40:], (time.monotonic(), data)]
+            write_flight_record(self.folder, self.rank, data)
+
+    def stop_before(self, failed_at: float | None = None) -> None:
+        """Stop dumping; with `failed_at` (time.monotonic() when the error was caught), keep the last dump taken
+        at least `margin` seconds before it as rank<N>."""
+        self.stop.set()
+        self.thread.join()
+        if failed_at is not None:
+            before = [data for taken_at, data in self.taken if taken_at <= failed_at - self.margin]
+            if before:
+                write_flight_record(self.folder, self.rank, before[-1])
 
 
 def allow_any_tracer() -> None:
@@ -136,18 +159,19 @@ def main() -> None:
     # gloo on every machine: the planted bugs are gloo cases (monitored_barrier, the SIGABRT on a size mismatch)
     rank, world_size, _ = init_distributed("gloo", timeout=timedelta(seconds=args.timeout))
     if args.flight_recorder:
-        stop_dumping = keep_dumping(args.flight_recorder, rank)
+        dumping = KeepDumping(args.flight_recorder, rank)
     if args.global_batch:
         args.per_rank_batch = args.global_batch // world_size
     try:
         steps, samples = train(args, rank)
     except Exception:
-        if args.flight_recorder:  # the last word, beside the dumps taken during the hang (they stay as they were)
-            stop_dumping.set()
-            dump_flight_record(os.path.join(args.flight_recorder, "after_error"), rank)
+        if args.flight_recorder:  # rank<N> keeps the state during the hang; the last word goes beside it
+            dumping.stop_before(failed_at=time.monotonic())
+            write_flight_record(os.path.join(args.flight_recorder, "after_error"), rank, flight_record())
         raise
     if args.flight_recorder:
-        dump_flight_record(args.flight_recorder, rank)
+        dumping.stop_before()
+        write_flight_record(args.flight_recorder, rank, flight_record())
     result(steps=steps, samples=samples)
     dist.destroy_process_group()
 
