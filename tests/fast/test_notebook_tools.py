@@ -112,15 +112,10 @@ def test_a_cell_still_running_is_not_cut_short_by_the_grace_period():
     async def run():
         alive = asyncio.ensure_future(asyncio.sleep(3600))
         outputs = asyncio.ensure_future(asyncio.sleep(3600))  # the cell's output loop: still going
-        client._async_check_alive = _alive
         return await client._async_poll_for_reply("m2", cell, 1, outputs, alive)
 
     with pytest.raises(CellTimeoutError):
         asyncio.run(run())
-
-
-async def _alive():
-    return None
 
 
 def test_a_reply_within_the_grace_period_is_the_one_returned():
