@@ -17,7 +17,7 @@ Tools: --monitored   monitored_barrier instead of barrier (gloo only): rank 0 na
                               collectives; TORCH_FR_BUFFER_SIZE sizes it, 0 turns it off) to DIR/rank<N>
                               four times a second while it runs and at the end; when a collective raises, the
                               dumps stop, DIR/rank<N> becomes the last dump taken at least 0.5 s before the
-                              error (the state during the hang) and a last one goes to DIR/after_error/rank<N>
+                              error was caught (if any) and a last one goes to DIR/after_error/rank<N>
        --stacks-on-signal   faulthandler.register(SIGUSR1): `kill -USR1 <pid>` prints every thread's Python
                               stack to this rank's stderr (replaces the course launcher's own SIGUSR1 handler);
                               also allow_any_tracer(), so that py-spy may attach without root under ptrace_scope=1
@@ -105,10 +105,12 @@ class KeepDumping:
     the agent before its own error arrives, and gloo dumps nothing by itself. The main thread, blocked in a
     collective, has released the GIL, so this thread runs meanwhile.
 
-    A collective that fails is retired in C++ before Python raises, and a dump can land in between: it then shows
-    the failure, not the hang (lesson 08's during-the-hang check failed that way). So on an error `stop_before`
-    waits for the thread and writes back, as rank<N>, the last dump taken at least `margin` seconds before the
-    error was caught: chosen by time, not by what the dump holds."""
+    A collective that fails is retired by gloo's worker thread right after it ends the work (which wakes the
+    Python thread), so a dump can land after the retire and before Python has caught the error: it then shows the
+    failure, not the hang (lesson 08's during-the-hang check failed that way). So on an error `stop_before` waits
+    for the thread and writes back, as rank<N>, the last dump taken at least `margin` seconds before the error was
+    caught: chosen by time, not by what the dump holds. If no dump is that old (an error in the first half
+    second), rank<N> stays the newest one."""
 
     def __init__(self, folder: str, rank: int, seconds: float = 0.25, margin: float = 0.5):
         self.folder, self.rank, self.seconds, self.margin = folder, rank, seconds, margin
