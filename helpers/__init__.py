@@ -6,22 +6,20 @@
     %load_ext helpers          # then a cell starting with  %%torchrun -n 2
 
 Where each audience's code lives (helpers/README.md has the full map):
-    helpers/*.py        lesson libraries (one per lesson, named by topic) and the worker kit
-                        (reporting, distributed, models, data, checkpoint, tensors, instruments, ...)
-    helpers/workers/    the scripts torchrun runs; they import only the worker kit
-    helpers/launcher/   the machinery behind launch(); learners never need to open it
+    helpers/kit/        what a worker may import: reporting, distributed, models, data, tensors, ...
+    helpers/lessons/    what the notebooks import: one module per lesson, plus checks, plots, explorers
+    helpers/launcher/   the machinery behind launch(); its public surface is helpers.launcher.api
+    helpers/workers/    the scripts torchrun runs; they import only the kit
     helpers/tools/      teachers' and maintainers' commands (python -m helpers.tools.NAME)
 
 Importing this package is cheap, and the launcher is imported only when one of its names is first
-used: a worker that runs ``from helpers.reporting import result`` pays for nothing else.
+used: a worker that runs ``from helpers.kit.reporting import result`` pays for nothing else.
 """
 from __future__ import annotations
 
 import importlib
-from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-WORKERS = REPO_ROOT / "helpers" / "workers"
+from helpers.kit import REPO_ROOT, WORKERS
 
 __all__ = ["REPO_ROOT", "WORKERS", "LaunchInterrupted", "LaunchTimeout", "Run", "WorkerFailed", "free_port", "launch",
            "load_ipython_extension", "start", "wait"]

@@ -73,7 +73,7 @@ def lab_root(tmp_path_factory) -> Path:
         f"run = launch({str(WHOAMI)!r}, nproc=2)\nprint('whoami ranks', sorted(run.results))",
     ]
     (root / "notebooks" / "scratch.ipynb").write_text(json.dumps(_notebook(scratch)))
-    explorers = ["%matplotlib inline\nfrom helpers import explorers\nfrom helpers.models import mlp",
+    explorers = ["%matplotlib inline\nfrom helpers.lessons import explorers\nfrom helpers.kit.models import mlp",
                  *[f"explorers.{call}" for call in EXPLORERS]]
     (root / "notebooks" / "explorers.ipynb").write_text(json.dumps(_notebook(explorers)))
     return root

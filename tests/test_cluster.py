@@ -1,4 +1,4 @@
-"""helpers.cluster: SLURM and Kubernetes generators checked by real parsers; a real two-node launch."""
+"""helpers.lessons.cluster: SLURM and Kubernetes generators checked by real parsers; a real two-node launch."""
 from __future__ import annotations
 
 import copy
@@ -6,7 +6,7 @@ import copy
 import pytest
 
 from helpers import REPO_ROOT, WORKERS, free_port, start, wait
-from helpers.cluster import (
+from helpers.lessons.cluster import (
     HAMI_SCHEDULER,
     KUEUE_QUEUE_LABEL,
     JobSize,
@@ -27,7 +27,7 @@ from helpers.cluster import (
     validate_train_job,
     write_job_files,
 )
-from helpers.system import pinned
+from helpers.lessons.system import pinned
 
 WHOAMI = WORKERS / "whoami.py"
 SHARED = JobSize(nodes=3, gpus_per_node=2, gpu_memory_mib=4000, gpu_cores_percent=25)

@@ -1,12 +1,12 @@
-"""Lesson 01's library (helpers.collectives) and the exercise's check. The collectives_* workers are launched, and
-asserted, by the lesson (notebooks/01_collectives.ipynb, under pytest --nbval); here only what the lesson does not
+"""Lesson 01's library (helpers.lessons.collectives) and the exercise's check. The collectives_* workers are launched,
+and asserted, by the lesson (notebooks/01_collectives.ipynb, under pytest --nbval); here only what the lesson does not
 check: the hand-written ring on one rank and on chunks of unequal size, and that the exercise's check says "Not yet"
 to a stub and to a deadlock."""
 
 import pytest
 
 from helpers import WORKERS, launch
-from helpers.collectives import (
+from helpers.lessons.collectives import (
     bandwidth_rows,
     bus_factor,
     check_all_gather,
@@ -128,7 +128,7 @@ def test_exercise_check_refuses_a_star_import(tmp_path, capsys):
     "def gather(pieces):\n    return pieces\ngather([1])\nt.scatter(0, index, src)\n",
 ])
 def test_exercise_check_does_not_refuse_names_that_are_not_torch_collectives(source):
-    from helpers.collectives import _collective_used
+    from helpers.lessons.collectives import _collective_used
     assert _collective_used(source) is None
 
 
@@ -160,7 +160,8 @@ def test_exercise_check_asks_about_wait_when_an_entry_holds_values_no_rank_sent(
         assert mistake in solution
     script = tmp_path / "unread.py"
     script.write_text(solution.replace("torch.empty_like(tensor) for _", "torch.full_like(tensor, -1.0) for _")
-                      .replace("dist.irecv(gathered[other], src=other)", "dist.irecv(torch.empty_like(tensor), src=other)"))
+                      .replace("dist.irecv(gathered[other], src=other)",
+                               "dist.irecv(torch.empty_like(tensor), src=other)"))
     assert not check_all_gather(script)
     out = capsys.readouterr().out
     assert "entry 1 holds [-1.0, -1.0, -1.0], values no rank sent: did you wait() on every irecv" in out

@@ -1,6 +1,6 @@
-"""Lesson 02's helpers (helpers.ddp, helpers.data) and the exercise's check. The lesson's workers are launched, and
-asserted, by the lesson (notebooks/02_ddp.ipynb, under pytest --nbval); here only what the lesson does not check:
-ddp_train.py's --steps and its one-process command, the article fixed in full, and that the exercise's check says
+"""Lesson 02's helpers (helpers.lessons.ddp, helpers.kit.data) and the exercise's check. The lesson's workers are
+launched, and asserted, by the lesson (notebooks/02_ddp.ipynb, under pytest --nbval); here only what the lesson does not
+check: ddp_train.py's --steps and its one-process command, the article fixed in full, and that the exercise's check says
 "Not yet" to wrong workers and "Correct" to the solution."""
 import os
 import subprocess
@@ -10,9 +10,9 @@ import pytest
 
 from helpers import REPO_ROOT as ROOT
 from helpers import launch
-from helpers.article import article_source
-from helpers.data import DIGITS_NAME, load
-from helpers.ddp import check_ddp_worker, undefined_names
+from helpers.kit.data import DIGITS_NAME, load
+from helpers.kit.ddp import article_source
+from helpers.lessons.ddp import check_ddp_worker, undefined_names
 
 WORKERS = ROOT / "helpers" / "workers"
 
@@ -102,7 +102,8 @@ def test_exercise_check_says_where_each_rank_waits_when_the_script_hangs(tmp_pat
 
 
 def test_exercise_check_says_print_only_on_rank_0(tmp_path, capsys):
-    script = _attempt(tmp_path, "ddp_exercise_solution.py", "    if rank == 0:\n        print(", "    if True:\n        print(")
+    script = _attempt(tmp_path, "ddp_exercise_solution.py", "    if rank == 0:\n        print(",
+                      "    if True:\n        print(")
     assert not check_ddp_worker(script)
     out = capsys.readouterr().out
     assert "Not yet: the training is right, but rank 1 printed too" in out and "print only on rank 0" in out
@@ -111,8 +112,8 @@ def test_exercise_check_says_print_only_on_rank_0(tmp_path, capsys):
 def test_exercise_reference_computed_in_process_equals_a_launch_of_the_original():
     """The check's one-process reference is computed in the notebook's process, not by launching
     ddp_exercise_single.py (which a learner may edit). It must still be what that file computes."""
-    from helpers.ddp import _one_process_reference
-    from helpers.tensors import max_abs_diff
+    from helpers.kit.tensors import max_abs_diff
+    from helpers.lessons.ddp import _one_process_reference
 
     launched = launch(WORKERS / "ddp_exercise_single.py", nproc=1, echo=False).results[0]
     reference = _one_process_reference()
@@ -124,14 +125,14 @@ def test_a_broken_original_does_not_break_the_exercise_check(tmp_path, monkeypat
     """A learner who edits (and breaks) ddp_exercise_single.py instead of the copy still gets a working check:
     the check launches only the learner's script, and no file under a WORKERS folder it could read."""
     import helpers
-    import helpers.ddp
     import helpers.launcher.api as api
+    import helpers.lessons.ddp
 
     broken = tmp_path / "ddp_exercise_single.py"
     broken.write_text((WORKERS / "ddp_exercise_single.py").read_text().replace("import torch\n", "", 1)
                       + "\nraise SystemExit('a broken original')\n")
     monkeypatch.setattr(helpers, "WORKERS", tmp_path)
-    monkeypatch.setattr(helpers.ddp, "WORKERS", tmp_path)
+    monkeypatch.setattr(helpers.lessons.ddp, "WORKERS", tmp_path)
     launched, real_launch = [], api.launch
     monkeypatch.setattr(api, "launch", lambda script, *a, **k: launched.append(script) or real_launch(script, *a, **k))
     solution = WORKERS / "ddp_exercise_solution.py"
@@ -144,7 +145,7 @@ def test_step_time_explanation_says_why_a_share_is_over_100_percent(capsys):
     """Section 8's printed share (DDP - no all-reduce) / (DDP - 1 rank at batch 32) exceeds 100% when the control
     without all-reduce ran faster than 1 rank at batch 32: the line must say so, and whether the blocks' spread
     covers it."""
-    from helpers.ddp import STEP_SETTINGS, explain_step_times
+    from helpers.lessons.ddp import STEP_SETTINGS, explain_step_times
 
     parameters = {"simple": 8070, "cnn": 20490}
 
@@ -154,7 +155,8 @@ def test_step_time_explanation_says_why_a_share_is_over_100_percent(capsys):
         for model in parameters:
             for key, value in values.items():
                 step_ms[f"{model}, {STEP_SETTINGS[key]}"] = value
-                blocks[f"{model}, {STEP_SETTINGS[key]}"] = [(value - spread / 2) / 1e3, value / 1e3, (value + spread / 2) / 1e3]
+                blocks[f"{model}, {STEP_SETTINGS[key]}"] = [(value - spread / 2) / 1e3, value / 1e3,
+                                                            (value + spread / 2) / 1e3]
             step_ms[f"{model}, all_reduce alone, {parameters[model]} floats"] = 0.3
             blocks[f"{model}, all_reduce alone, {parameters[model]} floats"] = [0.3e-3] * 3
         return step_ms, parameters, blocks
@@ -173,7 +175,8 @@ def test_exercise_check_says_a_rank_left_when_a_collective_runs_on_rank_0_only(t
     # the seventh walkthrough's wrong answer: the by-hand all_reduce only on rank 0. On gloo it does not hang:
     # rank 1 finishes and exits, rank 0's all_reduce loses its peer. The check must say that, not a bare "runs".
     mistake = "            dist.all_reduce(parameter.grad)"
-    script = _attempt(tmp_path, "ddp_exercise_by_hand_solution.py", mistake, "            if rank == 0:\n    " + mistake)
+    script = _attempt(tmp_path, "ddp_exercise_by_hand_solution.py", mistake,
+                      "            if rank == 0:\n    " + mistake)
     assert not check_ddp_worker(script, timeout=30)
     out = capsys.readouterr().out
     verdict = out[out.index("Not yet: "):]

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from helpers import WORKERS, WorkerFailed, launch
-from helpers.debugging import check_mystery
-from helpers.tensors import checksums
+from helpers.kit.tensors import checksums
+from helpers.lessons.debugging import check_mystery
 
 COLLECTIVES, DDP_BUGS, MYSTERY = (WORKERS / name for name in ("debug_collectives.py", "debug_ddp.py",
                                                              "debug_mystery.py"))
@@ -28,7 +28,7 @@ def failure(script: Path, args: list, **options) -> WorkerFailed:
     return caught.value
 
 
-# ------------------------------------------------------------------ helpers.debugging without launches
+# ------------------------------------------------------------------ helpers.lessons.debugging without launches
 
 def test_checksums_see_swapped_elements_and_equal_tensors_agree():
     a = {"w": torch.tensor([1.0, 2.0, 3.0])}
@@ -46,7 +46,7 @@ def test_mystery_check_says_not_yet_on_the_start_and_on_the_loss_log_guess(capsy
 # ------------------------------------------------------------------ debug_mystery.py
 
 def test_mystery_nan_flag_names_every_rank_anomaly_names_the_planted_one_and_eps_fixes_it():
-    from helpers.debugging import planted
+    from helpers.lessons.debugging import planted
 
     rank, step = planted()
     flagged = launch(MYSTERY, nproc=2, args=["--nan-check"], timeout=60, echo=False)
@@ -63,7 +63,7 @@ def test_mystery_nan_flag_names_every_rank_anomaly_names_the_planted_one_and_eps
 # ------------------------------------------------------------------ lesson 08's Flight Recorder and live-hang tools
 
 def test_flight_recorder_records_by_default_and_zero_turns_it_off(monkeypatch, tmp_path):
-    from helpers.debugging import read_flight_records
+    from helpers.lessons.debugging import read_flight_records
 
     launch(COLLECTIVES, nproc=2, args=["--bug", "none", "--flight-recorder", tmp_path / "default"], timeout=60,
            echo=False)
@@ -101,7 +101,7 @@ Current thread 0x00007f3138e18b80 (most recent call first):
 
 
 def test_main_thread_frames_reads_py_spy_and_faulthandler_and_stops_at_the_script():
-    from helpers.debugging import main_thread_frames
+    from helpers.lessons.debugging import main_thread_frames
 
     # catches frames of another thread, frames past the script's top level, or a parser for one format only
     assert main_thread_frames(PY_SPY_DUMP, "debug_collectives.py") == [
@@ -112,7 +112,7 @@ def test_main_thread_frames_reads_py_spy_and_faulthandler_and_stops_at_the_scrip
 
 
 def test_torchrun_summary_keeps_the_ranks_and_masks_what_changes_every_run():
-    from helpers.debugging import torchrun_summary
+    from helpers.lessons.debugging import torchrun_summary
 
     output = ("noise\ntorch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n" + "=" * 60 + "\n"
               "x.py FAILED\n" + "-" * 60 + "\nFailures:\n  <NO_OTHER_FAILURES>\n" + "-" * 60 + "\n"
@@ -132,7 +132,7 @@ def test_stacks_on_signal_prints_the_hung_rank_stack_to_its_log():
     import time
 
     from helpers import start
-    from helpers.debugging import main_thread_frames, wait_until_step, worker_pids
+    from helpers.lessons.debugging import main_thread_frames, wait_until_step, worker_pids
 
     job = start(COLLECTIVES, nproc=2, args=["--bug", "skip-barrier", "--stacks-on-signal"], echo=False)
     try:

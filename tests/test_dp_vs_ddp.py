@@ -8,10 +8,10 @@ import torch
 from torch import nn
 
 from helpers import WORKERS, launch
-from helpers.cpu_data_parallel import NaiveDataParallel, replicate, torch_replicate_on_cpu
-from helpers.dp_vs_ddp import check_traffic, intersect, merge, overlap, single_device_gradients, subtract
-from helpers.models import SimpleModel
-from helpers.tensors import max_abs_diff
+from helpers.kit.dp_vs_ddp import NaiveDataParallel, replicate, torch_replicate_on_cpu
+from helpers.kit.models import SimpleModel
+from helpers.kit.tensors import max_abs_diff
+from helpers.lessons.dp_vs_ddp import check_traffic, intersect, merge, overlap, single_device_gradients, subtract
 
 
 @pytest.fixture(autouse=True)

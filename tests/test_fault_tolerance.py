@@ -1,4 +1,4 @@
-"""Lesson 06's checkpoints (helpers.checkpoint) and the exercise's check. The crash, hang, resume and lost-node
+"""Lesson 06's checkpoints (helpers.kit.checkpoint) and the exercise's check. The crash, hang, resume and lost-node
 runs of fault_tolerance_train.py are launched, and asserted, by the lesson
 (notebooks/06_fault_tolerance_and_scaling_out.ipynb, under pytest --nbval); here only the failures it does not
 show: a kill in the middle of a checkpoint write, a restart without a checkpoint, a global batch that does not
@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from helpers import WORKERS, WorkerFailed, free_port, launch, start, wait
-from helpers.checkpoint import (
-    check_atomic_save,
+from helpers.kit.checkpoint import (
     load_checkpoint,
     rng_state,
     save_checkpoint,
     set_rng_state,
     temporary_path,
 )
+from helpers.lessons.checkpoint import check_atomic_save
 
 TRAIN = WORKERS / "fault_tolerance_train.py"
 SMALL = ["--steps", "6", "--checkpoint-every", "2", "--per-rank-batch", "16"]

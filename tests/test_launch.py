@@ -109,23 +109,6 @@ def test_busy_default_port_does_not_matter(monkeypatch):
     assert run.results[1]["after"] == [10.0, 12.0, 14.0, 16.0]
 
 
-@pytest.mark.parametrize("kwargs, error, words", [
-    ({"nproc": 0}, ValueError, "nproc must be a whole number >= 1"),
-    ({"script": "no_such_script.py"}, FileNotFoundError, "worker script not found: no_such_script.py"),
-    ({"nprocs": 2}, TypeError, "unknown launch option(s) nprocs"),
-    ({"timeout": -1}, ValueError, "timeout must be a positive"),
-    ({"max_restarts": -2}, ValueError, "max_restarts must be"),
-])
-def test_bad_arguments_fail_at_once_before_any_process(kwargs, error, words):
-    arguments = {"script": ALLREDUCE, **kwargs}
-    before = set(psutil.Process().children(recursive=True))
-    started = time.perf_counter()
-    with pytest.raises(error, match=words.replace("(", r"\(").replace(")", r"\)")):
-        launch(**arguments)
-    assert time.perf_counter() - started < 0.5
-    assert set(psutil.Process().children(recursive=True)) <= before
-
-
 def test_max_restarts_restarts_the_group_and_keeps_both_attempts_logs():
     run = launch(WORKERS / "fail_first_attempt.py", nproc=2, max_restarts=1, echo=False)
     assert run.attempts == 2
@@ -225,7 +208,7 @@ def test_cell_magic_runs_the_cell_as_a_worker():
     shell.run_line_magic("load_ext", "helpers")
     shell.run_cell_magic("torchrun", "-n 2 --out magic_run -- 7", textwrap.dedent("""
         import os, sys
-        from helpers.reporting import result
+        from helpers.kit.reporting import result
         result(rank=int(os.environ["RANK"]), arg=sys.argv[1])
     """))
     run = shell.user_ns["magic_run"]
@@ -417,24 +400,6 @@ def test_fresh_mode_failure_and_timeout(processes):
     processes.nothing_left(caught.value.run.log_dir)
 
 
-@pytest.mark.parametrize("cpus, omp, nproc, expected", [
-    (None, None, 2, "1"),  # no budget: one thread per worker, as torchrun sets it
-    (None, None, 1, None),  # no budget, one worker: torch's own default
-    ("4", None, 2, "2"),  # a budget of 4 CPUs for 2 workers
-    ("3", None, 4, "1"),  # never below one thread
-    ("4", "3", 2, "3"),  # the caller's OMP_NUM_THREADS wins
-])
-def test_workshop_cpu_budget_sets_threads_per_worker(monkeypatch, tmp_path, cpus, omp, nproc, expected):
-    from helpers.launcher.spec import worker_env
-
-    for name, value in (("LESSONS_CPUS", cpus), ("OMP_NUM_THREADS", omp)):
-        if value is None:
-            monkeypatch.delenv(name, raising=False)
-        else:
-            monkeypatch.setenv(name, value)
-    assert worker_env(tmp_path, 0, nproc).get("OMP_NUM_THREADS") == expected
-
-
 def test_workshop_cpu_budget_reaches_torch_in_forked_workers(monkeypatch):
     monkeypatch.setenv("LESSONS_CPUS", "4")
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
@@ -447,28 +412,3 @@ def test_debug_names_mismatched_collectives():
         launch(WORKERS / "mismatched_collective.py", nproc=2, debug=True, timeout=60, echo=False)
     assert "Detected mismatch between collectives on ranks" in str(caught.value)
     assert "Tensor shapes: 3vs 4" in str(caught.value) or "Tensor shapes: 4vs 3" in str(caught.value)
-
-
-def test_a_worker_importing_helpers_reporting_pays_for_nothing_else():
-    code = ("import sys; from helpers.reporting import result; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('helpers', 'psutil', 'torch', 'IPython')))")
-    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert loaded.strip() == "['helpers', 'helpers.launcher', 'helpers.launcher.run_folder', 'helpers.reporting']"
-
-
-def test_echo_prints_labelled_lines_up_to_its_limit(capsys):
-    from helpers.launcher.console import Echo
-
-    echo = Echo(2, "runs/x/rank<N>.log")
-    echo.show([(0, "stdout", "a"), (1, "stderr", "b"), (0, "stdout", "c")])
-    echo.show([(0, "stdout", "d")])
-    shown = capsys.readouterr().out.splitlines()
-    assert [line.split("]", 1)[0][-6:] for line in shown[:2]] == ["rank 0", "rank 1"]
-    assert shown[0].endswith(" a") and "\x1b[31mb" in shown[1]  # stderr in red
-    assert len(shown) == 3 and "not shown live (echo=2)" in shown[2] and "runs/x/rank<N>.log" in shown[2]
-
-
-def test_unsupported_systems_fail_at_once_with_a_clear_message(monkeypatch):
-    monkeypatch.setattr(os, "name", "nt")
-    with pytest.raises(OSError, match=r"Linux and macOS only.*WSL2"):
-        launch(ALLREDUCE, nproc=2)

@@ -1,4 +1,5 @@
-"""Lesson 10 (meshes): helpers/transformer.py, helpers/mesh.py and the mesh_* workers, at the smallest sizes."""
+"""Lesson 10 (meshes): helpers/kit/transformer.py, helpers/lessons/mesh.py and the mesh_* workers, at the smallest
+sizes."""
 import subprocess
 import sys
 from pathlib import Path
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from helpers import WorkerFailed, launch, transformer
-from helpers.mesh import (
+from helpers.lessons.mesh import (
     agrees_with_commdebugmode,
     check_mesh_for,
     check_mlp_plan,

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from helpers import WORKERS
-from helpers.rpc import check_counter
-from helpers.rpc_training import worker_name
+from helpers.kit.rpc import worker_name
+from helpers.lessons.rpc import check_counter
 
 SOLUTION = (WORKERS / "rpc_counter_solution.py").read_text()
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from helpers import launch
-from helpers.scale import (
+from helpers.lessons.scale import (
     ORDER_PROBE,
     STAGES,
     check_tp_counts_without_sp,
@@ -190,7 +190,7 @@ def test_twin_worker_runs_as_one_plain_process():
 # --- the planner ------------------------------------------------------------------------------------------------
 
 def test_planner_formulas_and_refusals():
-    from helpers.model_parallel import pipeline_schedule
+    from helpers.lessons.model_parallel import pipeline_schedule
 
     memory = plan(7.5e9, 64, stage="ZeRO-1")["memory"]
     assert sum(memory.values()) == pytest.approx(31.40625e9)
@@ -237,7 +237,7 @@ def test_step_time_worker_measures_every_mode_and_both_controls():
 
 
 def test_tp_step_counts_split_passes_from_the_optimizer_and_names_refuse_unknown_ops():
-    from helpers.scale import named_counts, tp_step_counts
+    from helpers.lessons.scale import named_counts, tp_step_counts
 
     counts = tp_step_counts(2)
     # the twin's layout: section 3's TP all-gathers and reduce-scatters in the passes, the norm weights' partial

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO_ROOT, free_port
-from helpers.cluster import JobSize, check_slurm_script, write_job_files
+from helpers.lessons.cluster import JobSize, check_slurm_script, write_job_files
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "sinfo")
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO_ROOT as ROOT
-from helpers.system import pinned
+from helpers.lessons.system import pinned
 from helpers.tools import preflight, workshop
 
 CHECK_CALL = re.compile(r"\bcheck_\w+\(")

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers.zero import check_step, expected, traffic
-from helpers.zero_kit import alloc_storage, free_storage, padded_flat, shard_size, storage_bytes
+from helpers.kit.zero import alloc_storage, free_storage, padded_flat, shard_size, storage_bytes
+from helpers.lessons.zero import check_step, expected, traffic
 
 ROOT = Path(__file__).resolve().parent.parent
 SOLUTION = ROOT / "helpers" / "workers" / "zero_solution.py"
@@ -83,8 +83,8 @@ MUTATIONS = {
                    "        p.data.copy_(full[: p.numel()].view_as(p))  # .data")],
         "step 0 issued ['broadcast']; the plan is reduce-scatters and all-gathers only"),
     "zero1, padding in front": (
-        "zero1", [("from helpers.zero_kit import alloc_storage, free_storage, padded_flat\n",
-                   "from helpers.zero_kit import alloc_storage, free_storage\n" + FRONT_PADDING),
+        "zero1", [("from helpers.kit.zero import alloc_storage, free_storage, padded_flat\n",
+                   "from helpers.kit.zero import alloc_storage, free_storage\n" + FRONT_PADDING),
                   ("full[: p.numel()]", "full[full.numel() - p.numel():]")], "values [0, 18) of"),
     "zero1, the optimizer also keeps state for the full parameters": (
         "zero1", [("optimizer_class(list(self.shards.values()), **kwargs)",
@@ -330,7 +330,7 @@ def test_a_learner_who_fills_in_the_four_files_passes(tmp_path, capsys):
     classes = {node.name: ast.get_source_segment(source, node) for node in ast.parse(source).body
                if isinstance(node, ast.ClassDef)}
     header = ("import torch\nimport torch.distributed as dist\nfrom torch import nn\n\n"
-              "from helpers.zero_kit import alloc_storage, free_storage, padded_flat\n")
+              "from helpers.kit.zero import alloc_storage, free_storage, padded_flat\n")
     files = {"my_bucketed_ddp.py": ("", "BucketedDDP"), "my_zero1.py": ("", "Zero1"),
              "my_zero2.py": ("from my_zero1 import Zero1\n", "Zero2"),
              "my_zero3.py": ("from my_zero2 import Zero2\n", "Zero3")}

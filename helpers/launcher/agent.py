@@ -6,7 +6,7 @@ turned into a LaunchConfig by torchrun's own ``config_from_args``, so workers se
 environment a terminal ``torchrun`` gives them. Only the entry point differs: workers start in
 :mod:`helpers.launcher.bootstrap`, forked from this process (fast) or as fresh interpreters.
 
-Writes the agent's result file into the run folder (helpers/run_folder.py): success, or every failed
+Writes the agent's result file into the run folder (helpers/kit/run_files.py): success, or every failed
 rank with its exit code. Its own exit code is one of run_folder's AGENT_* codes.
 """
 from __future__ import annotations

@@ -9,7 +9,7 @@ starts `nproc` workers with the usual RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR,
 By default the agent is forked from a launch server that has already imported torch (fast);
 ``fresh=True`` starts fresh interpreters instead, as a terminal torchrun does. While the job runs,
 every line of every rank is printed with its rank, a progress bar follows what workers report
-through helpers.reporting, and a failure anywhere stops everything and raises WorkerFailed with the
+through helpers.kit.reporting, and a failure anywhere stops everything and raises WorkerFailed with the
 failing rank's traceback. A timeout, or an interrupt of the cell, first asks every live rank for
 its Python stack and says where each one was stuck. Logs stay in the run folder afterwards.
 
@@ -27,14 +27,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from helpers.kit import REPO_ROOT
 from helpers.launcher import diagnosis, run_folder
 from helpers.launcher.console import Echo, Progress
 from helpers.launcher.processes import Agent, LaunchServer, free_port, sleep_until_news
-from helpers.launcher.run_folder import REPO_ROOT, short_path
+from helpers.launcher.run_folder import short_path
 from helpers.launcher.spec import build_spec, check_arguments, new_run_dir
 
-__all__ = ["Job", "LaunchInterrupted", "LaunchTimeout", "Run", "WorkerFailed", "free_port", "launch",
-           "start", "wait"]
+__all__ = ["Job", "LaunchInterrupted", "LaunchTimeout", "Run", "WorkerFailed", "alive", "free_port", "launch",
+           "launch_server_pid", "start", "start_launch_server", "stop_launch_server", "wait"]
 
 _FORK_SAFE = sys.platform.startswith("linux")
 _LIBRARY_DIRS = tuple({sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")})
@@ -95,9 +96,49 @@ class Run:
         return [(row.get("step"), row[name]) for row in self.metrics
                 if name in row and (rank is None or row["rank"] == rank)]
 
+    def processes(self) -> set[int]:
+        """The pids of every worker this run registered (any rank and attempt) and of their agents."""
+        return run_folder.registered_processes(self.log_dir)
+
+    def tracebacks(self) -> dict[int, str]:
+        """Every failed rank's own traceback, as the worker recorded it (the last attempt of each rank)."""
+        return run_folder.tracebacks(self.log_dir)
+
     def __repr__(self) -> str:
         return (f"Run({Path(self.script).name!r}, ranks={sorted(self.logs)}, "
                 f"metric rows={len(self.metrics)}, log_dir={str(self.log_dir)!r})")
+
+
+# ---------------------------------------------------------------------------- the kernel's launch server
+
+def start_launch_server() -> float:
+    """Start this kernel's launch server now (it starts on the first launch anyway); the seconds it took, 0.0 when it
+    was already running."""
+    return LaunchServer.get()[1]
+
+
+def launch_server_pid() -> int | None:
+    """The launch server's process id while it runs, else None."""
+    return LaunchServer.instance.proc.pid if LaunchServer.running() else None
+
+
+def stop_launch_server(before: str | None = None) -> int | None:
+    """Stop this kernel's launch server (it exits when its input closes); its exit code, or None when none ran.
+    Any launch still running under it is killed with it (server.py: every agent group dies when its input closes);
+    the next launch starts a new server (a second or two).
+
+    before: what is about to import torch afresh (a spawned or fresh interpreter). Then the cell says why the server
+    was stopped: its copy of torch and the new one would add up in memory."""
+    code = LaunchServer.stop()
+    if code is not None and before:
+        print(f"(This kernel's launch server was stopped first, so that it and {before} do not add up in memory; the "
+              "next launch starts a new one.)")
+    return code
+
+
+def alive(pid: int) -> bool:
+    """True while process `pid` runs (a zombie, dead but not yet reaped, counts as gone)."""
+    return run_folder.alive(pid)
 
 
 # ---------------------------------------------------------------------------- starting
@@ -120,9 +161,8 @@ def launch(script: str | os.PathLike, nproc: int = 2, args: tuple | list = (),
     Raises WorkerFailed (a RuntimeError) naming the failing rank with its traceback.
     """
     __tracebackhide__ = True  # IPython shows the learner's cell and the error, not the launcher's frames
-    check_arguments(script, nproc, timeout, max_restarts, torchrun_options)
-    job = start(script, nproc, args, max_restarts, fresh=fresh, log_dir=log_dir, echo=echo, debug=debug,
-                **torchrun_options)
+    path = check_arguments(script, nproc, timeout, max_restarts, torchrun_options)
+    job = _start(path, nproc, args, max_restarts, fresh, log_dir, echo, debug, torchrun_options)
     return wait([job], timeout=timeout)[0]
 
 
@@ -131,10 +171,20 @@ def start(script: str | os.PathLike, nproc: int = 2, args: tuple | list = (), ma
           echo: bool | int = 400, debug: bool = False, **torchrun_options: Any) -> Job:
     """Start a launch without waiting (e.g. two "nodes" at once); finish it with wait([...])."""
     path = check_arguments(script, nproc, None, max_restarts, torchrun_options)
-    fresh = (not _FORK_SAFE) if fresh is None else fresh
+    return _start(path, nproc, args, max_restarts, fresh, log_dir, echo, debug, torchrun_options)
+
+
+def _start(path: Path, nproc: int, args: tuple | list, max_restarts: int, fresh: bool | None,
+           log_dir: str | os.PathLike | None, echo: bool | int, debug: bool, torchrun_options: dict) -> Job:
     run_dir = new_run_dir(path, log_dir)
-    spec = build_spec(path, nproc, tuple(args), max_restarts, torchrun_options, run_dir, fresh, debug=debug)
+    spec = build_spec(path, nproc, tuple(args), max_restarts, torchrun_options, run_dir, fresh_or_default(fresh),
+                      debug=debug)
     return Job(spec, echo)
+
+
+def fresh_or_default(fresh: bool | None) -> bool:
+    """`fresh` as asked, or the platform's default: forked workers where forking is safe (Linux), else fresh."""
+    return (not _FORK_SAFE) if fresh is None else fresh
 
 
 # ---------------------------------------------------------------------------- a job in flight
@@ -201,7 +251,7 @@ def _wait_until(condition, seconds: float) -> None:
 
 
 def _ask_for_stacks(jobs: list[Job]) -> tuple[dict[int, str], dict[int, str]]:
-    """Make every live worker dump its Python stacks (faulthandler, see _bootstrap); (where, stacks)."""
+    """Make every live worker dump its Python stacks (faulthandler, see bootstrap.py); (where, stacks)."""
     asked = {}
     for job in jobs:
         live = job.folder.live_worker_pids()

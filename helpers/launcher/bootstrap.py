@@ -4,7 +4,7 @@ It ties the worker's life to its agent (so no worker outlives a dead launcher), 
 line-buffered (so the notebook sees it live), lets the launcher ask for its Python stacks (a hang
 becomes a diagnosis), tells the launcher which global rank this process is, records a precise
 failure time and traceback if the script raises, then runs the script as ``__main__`` exactly as
-``python script.py`` would. Standard library only (and helpers.launcher.run_folder).
+``python script.py`` would. Standard library only (and helpers.kit.run_files).
 
 Fresh-interpreter mode runs ``python -u -m helpers.launcher.bootstrap script.py args...``; fork mode calls
 :func:`run_forked_script` in a process forked from the agent (itself forked from the preloaded launch server).
@@ -20,7 +20,7 @@ import sys
 import time
 import traceback
 
-from helpers.launcher import run_folder
+from helpers.kit import run_files
 
 PR_SET_PDEATHSIG = 1
 
@@ -38,9 +38,9 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
 def _answer_stack_requests(run_dir: str, me: dict) -> None:
     """On STACK_SIGNAL, append every thread's Python stack to this rank's stacks file. faulthandler
     writes from a C signal handler, so it answers even while the script waits inside a collective."""
-    path = run_folder.rank_file(run_dir, "stacks", me["rank"], me["attempt"])
+    path = run_files.rank_file(run_dir, "stacks", me["rank"], me["attempt"])
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    faulthandler.register(run_folder.STACK_SIGNAL, file=open(path, "w"), all_threads=True, chain=False)
+    faulthandler.register(run_files.STACK_SIGNAL, file=open(path, "w"), all_threads=True, chain=False)
 
 
 def _wait_until_every_rank_is_forked(run_dir: str, me: dict, local_world_size: int, limit: float = 10.0) -> None:
@@ -56,7 +56,7 @@ def _wait_until_every_rank_is_forked(run_dir: str, me: dict, local_world_size: i
     the limit, 10 s, since each node's agent has its own run folder)."""
     deadline = time.monotonic() + limit
     while time.monotonic() < deadline:
-        if run_folder.registered_count(run_dir, me["attempt"], me["node"]) >= local_world_size:
+        if run_files.registered_count(run_dir, me["attempt"], me["node"]) >= local_world_size:
             return
         time.sleep(0.002)
 
@@ -80,10 +80,10 @@ def run_script(script: str, *args: str, forked: bool = False) -> None:
     if "torch.distributed" in sys.modules:
         sys.modules["torch.distributed"].set_debug_level_from_env()
     run_dir = os.environ.get("HELPERS_RUN_DIR")
-    me = run_folder.identity()
+    me = run_files.identity()
     if run_dir:
         _answer_stack_requests(run_dir, me)  # before registering: the launcher signals registered pids
-        run_folder.write_json(run_folder.rank_file(run_dir, "workers", me["rank"], me["attempt"]),
+        run_files.write_json(run_files.rank_file(run_dir, "workers", me["rank"], me["attempt"]),
                                {**me, "started": time.time()})
         if forked:
             _wait_until_every_rank_is_forked(run_dir, me, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
@@ -102,7 +102,7 @@ def run_script(script: str, *args: str, forked: bool = False) -> None:
 
 
 def _record_failure(run_dir: str, me: dict, text: str) -> None:
-    run_folder.write_json(run_folder.rank_file(run_dir, "failures", me["rank"], me["attempt"]),
+    run_files.write_json(run_files.rank_file(run_dir, "failures", me["rank"], me["attempt"]),
                            {**me, "time": time.time(), "traceback": text})
 
 

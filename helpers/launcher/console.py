@@ -1,6 +1,6 @@
 """The launcher's console: labelled, coloured lines of each rank, and a progress bar. It only prints.
 
-The lines come from the run folder (helpers/run_folder.py), complete, so they are never torn.
+The lines come from the run folder (helpers/launcher/run_folder.py), complete, so they are never torn.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ class Echo:
 
     def __init__(self, echo: bool | int, rank_logs: str) -> None:
         self.limit = (10**12 if echo is True else int(echo)) if echo else 0
-        self.shown, self.rank_logs = 0, rank_logs
+        self.shown, self.rank_logs, self.cut = 0, rank_logs, False
 
     def note(self, text: str) -> None:
         """A line from the launcher itself (not from a rank), shown only when output is echoed."""
@@ -26,14 +26,16 @@ class Echo:
             print(text, flush=True)
 
     def show(self, lines: list[tuple[int, str, str]]) -> None:
-        if self.shown >= self.limit or not lines:
+        if not self.limit or self.cut or not lines:
             return
-        for rank, stream, line in lines[:self.limit - self.shown]:
+        room = self.limit - self.shown
+        for rank, stream, line in lines[:room]:
             colour = _COLOURS[rank % len(_COLOURS)]
             body = f"{_RED}{line}{_RESET}" if stream == "stderr" else line
             print(f"{colour}[rank {rank}]{_RESET} {body}")
-        self.shown = min(self.limit, self.shown + len(lines))
-        if self.shown == self.limit:
+        self.shown += min(room, len(lines))
+        if len(lines) > room:  # said once, when the first line is left out (not when the limit is merely reached)
+            self.cut = True
             print(f"... more output is not shown live (echo={self.limit}); every line is in "
                   f"run.logs[rank] and in {self.rank_logs}")
         sys.stdout.flush()

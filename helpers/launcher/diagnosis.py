@@ -1,6 +1,6 @@
 """What went wrong in a launch, from the records of its run folders: pure functions, no processes.
 
-Two questions, both answered from plain data so that every rule has a unit test (tests/test_diagnosis.py):
+Two questions, both answered from plain data so that every rule has a unit test (tests/fast/test_diagnosis.py):
 - a job failed: which rank failed *first* (the root cause, not the peers it broke), and what to show;
 - a job hangs: where is each rank stuck, from the Python stacks faulthandler dumped.
 """
@@ -13,7 +13,7 @@ import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from helpers.launcher.run_folder import node_file, stacks_folder
+from helpers.kit.run_files import node_file, stacks_folder
 
 # What a rank says when a *peer* died: a symptom, never the root cause. A timeout is not in the list:
 # a rank that hangs never errors, so the rank whose collective timed out is the one to report.
@@ -138,9 +138,11 @@ def parse_stacks(dump: str) -> list[list[Frame]]:
 
 
 def _is_library(path: str, library_dirs: tuple[str, ...]) -> bool:
+    """Frames that are not the learner's: Python's and torch's, and the course's own launcher and worker kit (a rank
+    stuck in init_process_group under kit/distributed.py's init_distributed is blamed on the learner's call)."""
     name = path.replace("\\", "/")
     return (name.startswith("<") or any(name.startswith(d) for d in library_dirs)
-            or "/site-packages/" in name or re.search(r"/helpers/_[a-z_]+\.py$", name) is not None)
+            or "/site-packages/" in name or re.search(r"/helpers/(launcher|kit)/[^/]+\.py$", name) is not None)
 
 
 def _qualified(file: str, func: str) -> str:

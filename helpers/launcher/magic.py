@@ -8,7 +8,8 @@
 
 The cell is written to runs/cells/<name>.py and launched with helpers.launch; the Run is stored in
 the variable named by --out (default: last_run). Everything after `--` goes to the script's argv.
---timeout, --max-restarts, --fresh and --debug mean what launch()'s arguments of those names mean.
+--timeout, --max-restarts, --fresh and --debug mean what launch()'s arguments of those names mean; without
+--fresh, the platform's default applies (forked workers on Linux, fresh interpreters where forking is unsafe).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("-n", "--nproc", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=None)
     parser.add_argument("--max-restarts", type=int, default=0)
-    parser.add_argument("--fresh", action="store_true")
+    parser.add_argument("--fresh", action="store_true", default=None)  # None: launch()'s platform default
     parser.add_argument("--debug", action="store_true")
     parser.add_argument("--name", default="cell")
     parser.add_argument("--out", default="last_run")

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 
-from helpers import REPO_ROOT
+from helpers.kit import REPO_ROOT
 from helpers.launcher import run_folder
 
 
@@ -36,30 +36,26 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def stop_launch_server_for(what: str) -> bool:
-    """Stop this kernel's launch server before `what` imports torch afresh (a spawned or fresh interpreter), so
-    that the server's copy of torch and the new one do not add up in memory; say so when it was running.
-    Any launch still running under it is killed with it (server.py: every agent group dies when its input closes).
-    The next launch starts a new server (a second or two). Returns whether one was running."""
-    if LaunchServer.stop() is None:
-        return False
-    print(f"(This kernel's launch server was stopped first, so that it and {what} do not add up in memory; the next "
-          "launch starts a new one.)")
-    return True
-
-
 class LaunchServer:
     """The kernel's handle on helpers/launcher/server.py (started once, on first use)."""
 
     instance: LaunchServer | None = None
 
+    command = (sys.executable, "-m", "helpers.launcher.server")
+    ready_timeout = 120.0  # seconds for the server to import torch and say "ready"; slow disks take tens of seconds
+
     def __init__(self) -> None:
         started = time.perf_counter()
-        self.proc = subprocess.Popen([sys.executable, "-m", "helpers.launcher.server"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, start_new_session=True, env=child_env())
+        self.proc = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     start_new_session=True, env=child_env())
         self.buffer = b""
         self.exit_codes: dict[int, int] = {}
-        self._read_until("ready", timeout=120)
+        try:
+            self._read_until(("ready",), timeout=self.ready_timeout)
+        except BaseException:  # not ready in time, or interrupted: leave no half-started server behind
+            self.proc.kill()
+            self.proc.wait()
+            raise
         self.start_time = time.perf_counter() - started
 
     @classmethod
@@ -98,18 +94,25 @@ class LaunchServer:
                 self.exit_codes[message["exited"]] = message["code"]
         return messages
 
-    def _read_until(self, key: str, timeout: float) -> dict:
+    def _read_until(self, keys: tuple[str, ...], timeout: float) -> dict:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for message in self._messages(0.1):
-                if key in message:
+                if any(key in message for key in keys):
                     return message
-        raise RuntimeError(f"the launch server did not answer '{key}' within {timeout:.0f} s")
+        raise RuntimeError(f"the launch server did not answer '{keys[0]}' within {timeout:g} s")
+
+    def request(self, line: bytes) -> dict:
+        """Send one request line; the server's answer: {"started": pid} or {"error": why}."""
+        self.proc.stdin.write(line + b"\n")
+        self.proc.stdin.flush()
+        return self._read_until(("started", "error"), timeout=30)
 
     def start(self, spec: dict) -> int:
-        self.proc.stdin.write((json.dumps({"spec": spec}) + "\n").encode())
-        self.proc.stdin.flush()
-        return self._read_until("started", timeout=30)["started"]
+        answer = self.request(json.dumps({"spec": spec}).encode())
+        if "error" in answer:
+            raise RuntimeError(f"the launch server could not start this launch: {answer['error']}")
+        return answer["started"]
 
     def poll(self, pid: int) -> int | None:
         self._messages(0)

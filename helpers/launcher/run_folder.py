@@ -1,59 +1,32 @@
-"""The run folder: every file a launch writes, who writes it, and how it is read back.
+"""The launcher's side of the run folder: reading back what a launch's workers and agents wrote.
 
-Standard library only: the worker side (``_bootstrap``, ``worker``, ``_agent``) and the notebook side
-import it alike. One folder per launch; every per-rank file is keyed (global rank, attempt), where
-attempt is torchrun's restart count::
-
-    rank{R}.log                           every line of rank R, all attempts (written by the launcher)
-    elastic_node{N}/<run id>/attempt_{A}/{local rank}/std{out,err}.log    torchrun's own worker logs
-    workers/rank{R}-attempt{A}.json       the bootstrap's registration: pid, node, local rank, start time
-    failures/rank{R}-attempt{A}.json      an uncaught exception: exact time and traceback
-    events/rank{R}-attempt{A}.jsonl       helpers.reporting's metrics, progress and results
-    stacks/rank{R}-attempt{A}.txt         Python stacks, dumped by faulthandler on STACK_SIGNAL
-    spec_node{N}.json, agent_node{N}.log, agent_result_node{N}.json       the torchrun agent of node N
+The file names are the workers' protocol and live in helpers/kit/run_files.py (standard library only, since every
+worker imports it); this module, imported only by the launcher, gathers the files into lines, results and
+registrations, and may use psutil.
 """
 from __future__ import annotations
 
 import json
 import os
 import re
-import signal
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from helpers import REPO_ROOT
+import psutil
+
+from helpers.kit import REPO_ROOT
+from helpers.kit.run_files import STACK_SIGNAL, node_file, rank_file, rank_files, rank_log, read_json, write_json
+
+__all__ = ["AGENT_DIED", "AGENT_ERROR", "AGENT_OK", "AGENT_WORKERS_FAILED", "STACK_SIGNAL", "NodeFolder", "Tail",
+           "alive", "node_file", "rank_file", "rank_log", "read_json", "registered_pids", "registered_processes",
+           "short_path", "tracebacks", "write_json"]
 
 # The agent's exit codes (helpers/launcher/agent.py); a negative code is the signal that killed it.
 AGENT_OK, AGENT_WORKERS_FAILED, AGENT_ERROR, AGENT_DIED = 0, 1, 2, 3
-# The signal that makes a worker write its Python stacks (faulthandler, installed by the bootstrap).
-STACK_SIGNAL = getattr(signal, "SIGUSR1", None)
 
-_EXTENSIONS = {"workers": "json", "failures": "json", "events": "jsonl", "stacks": "txt"}
 _TORCHRUN_LOG = re.compile(r"attempt_(\d+)[/\\](\d+)[/\\](stdout|stderr)\.log$")
-
-
-def rank_file(run_dir: str | os.PathLike, kind: str, rank: int, attempt: int) -> str:
-    """The per-rank file of one kind: workers, failures, events or stacks."""
-    return os.path.join(run_dir, kind, f"rank{rank}-attempt{attempt}.{_EXTENSIONS[kind]}")
-
-
-def stacks_folder(run_dir: str | os.PathLike) -> str:
-    """Where the workers' Python stacks are dumped (one file per rank and attempt)."""
-    return os.path.join(run_dir, "stacks")
-
-
-def rank_log(run_dir: str | os.PathLike, rank: int | str) -> str:
-    return os.path.join(run_dir, f"rank{rank}.log")
-
-
-def node_file(run_dir: str | os.PathLike, kind: str, node: int) -> str:
-    """The agent's files: spec (json), agent log, agent result (json), elastic (torchrun's log folder)."""
-    name = {"spec": "spec_node{}.json", "agent_log": "agent_node{}.log",
-            "agent_result": "agent_result_node{}.json", "elastic": "elastic_node{}"}[kind]
-    return os.path.join(run_dir, name.format(node))
 
 
 def short_path(path: str | os.PathLike) -> Path:
@@ -67,57 +40,21 @@ def short_path(path: str | os.PathLike) -> Path:
     return Path(os.path.relpath(path))
 
 
-def write_json(path: str, data: dict) -> None:
-    """Write atomically, so that a reader never sees half a file."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)
-
-
-def read_json(path: str | os.PathLike, default: Any = None) -> Any:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        return default
-
-
-def identity() -> dict:
-    """Who this worker is, from torchrun's environment."""
-    return {
-        "rank": int(os.environ.get("RANK", 0)),
-        "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
-        # the launcher's node number (GROUP_RANK may differ: c10d assigns it by arrival)
-        "node": int(os.environ.get("HELPERS_NODE", os.environ.get("GROUP_RANK", 0))),
-        "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
-        "pid": os.getpid(),
-        "parent": os.getppid(),  # the agent that started this worker
-    }
-
-
-def registered_count(run_dir: str | os.PathLike, attempt: int, node: int) -> int:
-    """How many workers of this node's agent have registered for this attempt so far."""
-    paths = Path(run_dir, "workers").glob(f"rank*-attempt{attempt}.json")
-    return sum(read_json(path, {}).get("node") == node for path in paths)
-
-
 def registered_pids(run_dir: str | os.PathLike) -> list[int]:
     """The pid of every worker the run registered, any rank and attempt (for checks that nothing is left)."""
-    return [read_json(path)["pid"] for path in sorted(Path(run_dir, "workers").glob("rank*-attempt*.json"))]
+    return [read_json(path)["pid"] for path in rank_files(run_dir, "workers")]
 
 
 def registered_processes(run_dir: str | os.PathLike) -> set[int]:
     """Every worker the run registered and each one's parent (its agent): the processes it is known to have used."""
-    records = [read_json(path) for path in Path(run_dir, "workers").glob("rank*-attempt*.json")]
+    records = [read_json(path) for path in rank_files(run_dir, "workers")]
     return {record["pid"] for record in records} | {record["parent"] for record in records if "parent" in record}
 
 
 def tracebacks(run_dir: str | os.PathLike) -> dict[int, str]:
     """Every rank's own traceback, as its bootstrap recorded it (the last attempt of each rank wins)."""
     found = {}
-    for path in sorted(Path(run_dir, "failures").glob("rank*-attempt*.json")):
+    for path in rank_files(run_dir, "failures"):
         record = read_json(path)
         found[int(record["rank"])] = record["traceback"]
     return found
@@ -126,18 +63,11 @@ def tracebacks(run_dir: str | os.PathLike) -> dict[int, str]:
 def alive(pid: int) -> bool:
     """True while `pid` runs (a zombie, dead but not yet reaped, counts as gone)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
-    except PermissionError:
+    except psutil.AccessDenied:
         return True
-    if sys.platform.startswith("linux"):
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-        except (FileNotFoundError, IndexError):
-            return False
-    return True
 
 
 class Tail:
@@ -164,7 +94,8 @@ class Tail:
 class NodeFolder:
     """What one node's workers have written so far: gathered from the run folder, nothing printed.
 
-    `collect()` returns the new complete lines as (rank, stream, line) and appends them to rank{R}.log.
+    `collect()` returns the new complete lines as (rank, stream, line) and appends them to each rank's log
+    (run_files.rank_log).
     """
 
     def __init__(self, run_dir: str | os.PathLike, node: int, nproc: int) -> None:
@@ -180,7 +111,7 @@ class NodeFolder:
         self.ended = time.time()
 
     def collect(self, final: bool = False) -> list[tuple[int, str, str]]:
-        for path in (self.run_dir / "workers").glob("rank*-attempt*.json"):
+        for path in rank_files(self.run_dir, "workers"):
             info = read_json(path)
             if info and info["node"] == self.node:
                 self.workers.setdefault((info["rank"], info["attempt"]), info)

@@ -7,7 +7,9 @@ The server imports torch but never touches CUDA, so forked workers may still ini
 
 Protocol (JSON lines): the kernel writes ``{"spec": {...}}`` on stdin; the server answers
 ``{"started": pid}`` (the agent's pid, also its process-group id) and later ``{"exited": pid,
-"code": n}``. When stdin closes (the kernel exited or died) every agent group is killed.
+"code": n}``, or ``{"error": "why"}`` for a request it cannot start (a malformed line, a failed fork): that launch
+fails, and the server and every other launch go on. When stdin closes (the kernel exited or died) every agent group
+is killed.
 """
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ from helpers.launcher import run_folder
 from helpers.launcher.run_folder import AGENT_DIED
 
 agents: set[int] = set()
+# What _start_agent reads from a spec before it can write anything to the run folder (spec.build_spec writes them all).
+_NEEDED = ("run_dir", "node_rank", "cwd", "env")
 
 
 def _send(message: dict) -> None:
@@ -57,6 +61,24 @@ def _start_agent(spec: dict) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _handle(line: bytes) -> dict:
+    """One request line -> the answer: the agent started, or why not (the server itself goes on either way)."""
+    try:
+        request = json.loads(line)
+        spec = request["spec"]
+        missing = [key for key in _NEEDED if key not in spec]
+        if missing:
+            raise KeyError(", ".join(missing))
+    except (ValueError, KeyError, TypeError) as error:
+        return {"error": f"malformed launch request ({type(error).__name__}: {error}): {line[:200]!r}"}
+    try:
+        pid = _start_agent(spec)
+    except OSError as error:  # fork failed: out of memory or processes
+        return {"error": f"could not fork the torchrun agent: {error}"}
+    agents.add(pid)
+    return {"started": pid}
 
 
 def _reap() -> None:
@@ -117,9 +139,7 @@ def main() -> None:
             buffer += chunk
             while b"\n" in buffer:
                 line, buffer = buffer.split(b"\n", 1)
-                pid = _start_agent(json.loads(line)["spec"])
-                agents.add(pid)
-                _send({"started": pid})
+                _send(_handle(line))
         _reap()
 
 

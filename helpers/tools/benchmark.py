@@ -18,8 +18,7 @@ import tempfile
 import time
 
 from helpers import WORKERS
-from helpers.launcher.api import launch
-from helpers.launcher.processes import LaunchServer
+from helpers.launcher.api import launch, start_launch_server
 
 SCRIPT = WORKERS / "allreduce_demo.py"
 
@@ -36,7 +35,7 @@ def time_launch(fresh: bool = False) -> float:
 
 def compare(rounds: int = 5, fresh: bool = False) -> dict[str, float]:
     """Median seconds per job for each way of launching, and helpers.launch / bare torchrun."""
-    _, server_start = LaunchServer.get()
+    server_start = start_launch_server()
     bare, ours, ours_fresh = [], [], []
     for _ in range(rounds):
         bare.append(time_bare_torchrun())

@@ -21,7 +21,6 @@ from pathlib import Path
 from helpers import REPO_ROOT
 from helpers.tools import kernelspec
 
-
 CELL_TIMEOUT = 300  # seconds; the slowest lesson cell takes about a minute on 2 busy cores
 
 
@@ -30,10 +29,10 @@ def _client_class():
 
     class Client(nbclient.NotebookClient):
         """nbclient's runner, with one workaround: now and then (lesson 11 run three at a time on 2 cores: 2 runs of 12
-        in one trial, 1 of 30 in another; each time at its widget cell) the kernel finishes a cell and goes idle, but its execute_reply
-        never reaches the runner, which then waits out the timeout (jupyter/nbclient#312, open). When the timeout
-        comes after the kernel's idle status for that very cell, the cell did finish: its outputs are all in, so
-        the run goes on, and says so on stderr. Any other timeout is a real one and fails as before.
+        in one trial, 1 of 30 in another; each time at its widget cell) the kernel finishes a cell and goes idle, but
+        its execute_reply never reaches the runner, which then waits out the timeout (jupyter/nbclient#312, open). When
+        the timeout comes after the kernel's idle status for that very cell, the cell did finish: its outputs are all
+        in, so the run goes on, and says so on stderr. Any other timeout is a real one and fails as before.
         The reply normally follows the idle status within milliseconds, so once the cell's outputs are complete
         the runner waits REPLY_GRACE seconds for it, not the whole cell timeout (a lost reply used to cost 300 s).
         The "ok" put in place of a lost reply loses no error only because execute() runs with allow_errors=True and
@@ -84,7 +83,6 @@ def _client_class():
 
 def execute(notebook: Path, store: bool = True) -> list[str]:
     """Run the notebook; store it in place if `store`. Returns the names of unexpected errors, by cell."""
-    import nbclient
     import nbformat
 
     if store:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from helpers import REPO_ROOT as ROOT
-from helpers.system import pinned, usable_cores
+from helpers.lessons.system import pinned, usable_cores
 
 GIB = 1024**3
 
@@ -110,7 +110,7 @@ def check_runs_folder() -> tuple[str, str]:
 
 
 def check_data(online: bool) -> tuple[str, str]:
-    from helpers import data
+    from helpers.kit import data
 
     if online:
         source = data.prepare()

@@ -9,7 +9,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from helpers.reporting import result
+from helpers.kit.reporting import result
 
 
 def main() -> None:

@@ -15,10 +15,10 @@ import torch.distributed as dist
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from helpers.data import load
-from helpers.distributed import init_distributed
-from helpers.models import build_model
-from helpers.reporting import progress, report, result
+from helpers.kit.data import load
+from helpers.kit.distributed import init_distributed
+from helpers.kit.models import build_model
+from helpers.kit.reporting import progress, report, result
 
 
 def main() -> None:

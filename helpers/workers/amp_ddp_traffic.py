@@ -17,11 +17,11 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from helpers.data import load
-from helpers.distributed import init_distributed
-from helpers.models import build_model
-from helpers.reporting import result
-from helpers.tensors import max_abs_diff
+from helpers.kit.data import load
+from helpers.kit.distributed import init_distributed
+from helpers.kit.models import build_model
+from helpers.kit.reporting import result
+from helpers.kit.tensors import max_abs_diff
 
 MODES = {"fp32": (False, allreduce_hook), "bf16 autocast": (True, allreduce_hook),
          "bf16 autocast + bf16_compress_hook": (True, bf16_compress_hook)}

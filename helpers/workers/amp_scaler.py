@@ -15,9 +15,9 @@ import argparse
 import torch
 from torch.nn import functional as F
 
-from helpers.data import load
-from helpers.models import build_model
-from helpers.reporting import progress, report, result
+from helpers.kit.data import load
+from helpers.kit.models import build_model
+from helpers.kit.reporting import progress, report, result
 
 
 def main() -> None:

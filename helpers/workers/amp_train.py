@@ -21,9 +21,9 @@ import time
 import torch
 from torch.nn import functional as F
 
-from helpers.data import load
-from helpers.models import build_model
-from helpers.reporting import progress, report, result
+from helpers.kit.data import load
+from helpers.kit.models import build_model
+from helpers.kit.reporting import progress, report, result
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -8,7 +8,7 @@ traceback, and no process left behind (rank 0, blocked in all_reduce, is stopped
 import torch
 import torch.distributed as dist
 
-from helpers.distributed import init_distributed
+from helpers.kit.distributed import init_distributed
 
 
 def scale(step: int, rank: int) -> float:

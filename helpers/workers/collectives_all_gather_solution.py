@@ -10,8 +10,8 @@ Works with any number of processes, on CPU (gloo) or GPUs (nccl).
 import torch
 import torch.distributed as dist
 
-from helpers.distributed import init_distributed
-from helpers.reporting import result
+from helpers.kit.distributed import init_distributed
+from helpers.kit.reporting import result
 
 
 def all_gather_by_hand(tensor: torch.Tensor) -> list[torch.Tensor]:

@@ -18,8 +18,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from helpers.distributed import init_distributed
-from helpers.reporting import progress, report, result
+from helpers.kit.distributed import init_distributed
+from helpers.kit.reporting import progress, report, result
 
 
 def time_all_reduce(tensor: torch.Tensor, repeats: int) -> float:

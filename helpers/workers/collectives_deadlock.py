@@ -14,8 +14,8 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from helpers.distributed import init_distributed
-from helpers.reporting import result
+from helpers.kit.distributed import init_distributed
+from helpers.kit.reporting import result
 
 
 def main() -> None:

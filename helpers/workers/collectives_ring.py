@@ -17,8 +17,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from helpers.distributed import init_distributed
-from helpers.reporting import result
+from helpers.kit.distributed import init_distributed
+from helpers.kit.reporting import result
 
 bytes_sent = 0  # counted by `exchange`, at the isend call itself
 

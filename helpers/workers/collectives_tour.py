@@ -14,8 +14,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from helpers.distributed import init_distributed
-from helpers.reporting import progress, result
+from helpers.kit.distributed import init_distributed
+from helpers.kit.reporting import progress, result
 
 LATE_SECONDS = 0.3  # in the async demo the last rank joins this late, so nobody can finish before
 

@@ -2,10 +2,10 @@
 
     python helpers/workers/ddp_article_original.py      # NameError: name 'os' is not defined
 
-Steps 2 to 5 of the article, joined into one file with the indentation restored (the page lost
-it); we added only the step headers, the "(missing ...)" comments and the noqa markers. Left as printed, on purpose: `os` and `optim` are used but never imported, the port is
-fixed, the backend is nccl, `.to(rank)` assumes one GPU per rank and mp.spawn starts 4 processes.
-Lesson 02 runs it stage by stage with helpers/workers/ddp_article_run.py; the fixed version is
+Steps 2 to 5 of the article, joined into one file with the indentation restored (the page lost it); we added only the
+step headers, the "(missing ...)" comments and the noqa markers. Left as printed, on purpose: `os` and `optim` are used
+but never imported, the port is fixed, the backend is nccl, `.to(rank)` assumes one GPU per rank and mp.spawn starts 4
+processes. Lesson 02 runs it stage by stage with helpers/workers/ddp_article_run.py; the fixed version is
 helpers/workers/ddp_train.py.
 """
 # ruff: noqa: F401, UP008, B007  (the article as printed, not our style)

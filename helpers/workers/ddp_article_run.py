@@ -3,14 +3,14 @@
     torchrun --standalone --nproc-per-node 2 helpers/workers/ddp_article_run.py --fix imports --fix gloo
 
 Each rank does what the article's mp.spawn child would do: call train(rank, world_size). The
-fixes (see helpers.article.ARTICLE_FIXES) are applied to the text of ddp_article_original.py, so the
+fixes (see helpers.kit.ddp.ARTICLE_FIXES) are applied to the text of ddp_article_original.py, so the
 notebook can show, one fix at a time, where the tutorial breaks next.
 """
 import argparse
 import os
 import types
 
-from helpers.article import ARTICLE_FIXES, article_source
+from helpers.kit.ddp import ARTICLE_FIXES, article_source
 
 
 def main() -> None:

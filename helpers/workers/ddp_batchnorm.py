@@ -18,10 +18,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
-from helpers.data import load
-from helpers.distributed import init_distributed
-from helpers.reporting import result
-from helpers.tensors import flat, tensor_checksum
+from helpers.kit.data import load
+from helpers.kit.distributed import init_distributed
+from helpers.kit.reporting import result
+from helpers.kit.tensors import flat, tensor_checksum
 
 MODES = {"BatchNorm, forward_sync_buffers=True": True, "BatchNorm, forward_sync_buffers=False": False,
          "SyncBatchNorm": True}

@@ -10,10 +10,10 @@ which calls dist._broadcast_coalesced from src=0). With init_sync=False nothing 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from helpers.distributed import init_distributed
-from helpers.models import build_model
-from helpers.reporting import result
-from helpers.tensors import parameter_checksum
+from helpers.kit.distributed import init_distributed
+from helpers.kit.models import build_model
+from helpers.kit.reporting import result
+from helpers.kit.tensors import parameter_checksum
 
 
 def main() -> None:

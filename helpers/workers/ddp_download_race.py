@@ -20,7 +20,6 @@ run reports what each rank wrote, whether an archive failed its check (torchvisi
 whether the train files each rank read were complete.
 """
 import argparse
-import os
 import shutil
 import tempfile
 import time
@@ -28,8 +27,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from helpers.distributed import init_distributed
-from helpers.reporting import result
+from helpers.kit.distributed import init_distributed
+from helpers.kit.reporting import result
 
 FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
 CHUNKS, CHUNK_BYTES, NETWORK_SECONDS = 4, 4096, 0.05  # each archive: 16 KiB, written over about 0.2 s

@@ -22,8 +22,8 @@ import torch.distributed as dist
 import torchvision.datasets.utils as tv_utils
 from torchvision import datasets
 
-from helpers.distributed import init_distributed
-from helpers.reporting import result
+from helpers.kit.distributed import init_distributed
+from helpers.kit.reporting import result
 
 SAMPLES, CHUNKS, NETWORK_SECONDS = 4, 4, 0.05
 

@@ -5,7 +5,7 @@
 
 Every rank reports its first step's gradient (after DDP averaged it), a checksum of its weights
 after every step, and its final weights, so the notebook can compare them with one process that
-trains on the same global batches (helpers.ddp.single_process_reference).
+trains on the same global batches (helpers.lessons.ddp.single_process_reference).
 """
 import argparse
 import itertools
@@ -17,10 +17,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
-from helpers.data import load
-from helpers.models import build_model
-from helpers.reporting import report, result
-from helpers.tensors import flat, parameter_checksum
+from helpers.kit.data import load
+from helpers.kit.models import build_model
+from helpers.kit.reporting import report, result
+from helpers.kit.tensors import flat, parameter_checksum
 
 
 def main() -> None:

@@ -13,10 +13,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
-from helpers.data import load
-from helpers.models import build_model
-from helpers.reporting import result
-from helpers.tensors import flat
+from helpers.kit.data import load
+from helpers.kit.models import build_model
+from helpers.kit.reporting import result
+from helpers.kit.tensors import flat
 
 GLOBAL_BATCH = 32
 

@@ -9,10 +9,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from helpers.data import load
-from helpers.models import build_model
-from helpers.reporting import result
-from helpers.tensors import flat
+from helpers.kit.data import load
+from helpers.kit.models import build_model
+from helpers.kit.reporting import result
+from helpers.kit.tensors import flat
 
 GLOBAL_BATCH = 32
 

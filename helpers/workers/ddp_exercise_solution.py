@@ -10,10 +10,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
-from helpers.data import load
-from helpers.models import build_model
-from helpers.reporting import result
-from helpers.tensors import flat
+from helpers.kit.data import load
+from helpers.kit.models import build_model
+from helpers.kit.reporting import result
+from helpers.kit.tensors import flat
 
 GLOBAL_BATCH = 32
 

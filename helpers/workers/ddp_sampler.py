@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from helpers.reporting import result
+from helpers.kit.reporting import result
 
 
 def samples_seen(loader: DataLoader) -> list[int]:

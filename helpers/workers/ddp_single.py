@@ -14,10 +14,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from helpers.data import load
-from helpers.models import build_model
-from helpers.reporting import progress, report, result
-from helpers.tensors import parameter_checksum
+from helpers.kit.data import load
+from helpers.kit.models import build_model
+from helpers.kit.reporting import progress, report, result
+from helpers.kit.tensors import parameter_checksum
 
 
 def parse_args() -> argparse.Namespace:

@@ -25,9 +25,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from helpers.distributed import init_distributed
-from helpers.models import build_model
-from helpers.reporting import result
+from helpers.kit.distributed import init_distributed
+from helpers.kit.models import build_model
+from helpers.kit.reporting import result
 
 
 def no_all_reduce(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

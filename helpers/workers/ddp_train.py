@@ -22,10 +22,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-from helpers.data import load
-from helpers.models import build_model
-from helpers.reporting import progress, report, result
-from helpers.tensors import parameter_checksum
+from helpers.kit.data import load
+from helpers.kit.models import build_model
+from helpers.kit.reporting import progress, report, result
+from helpers.kit.tensors import parameter_checksum
 
 
 def parse_args() -> argparse.Namespace:

@@ -19,9 +19,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from helpers.models import build_model
-from helpers.reporting import result
-from helpers.tensors import parameter_checksum
+from helpers.kit.models import build_model
+from helpers.kit.reporting import result
+from helpers.kit.tensors import parameter_checksum
 
 
 def main() -> None:

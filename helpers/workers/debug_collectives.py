@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from helpers.distributed import init_distributed
-from helpers.reporting import report, result
+from helpers.kit.distributed import init_distributed
+from helpers.kit.reporting import report, result
 
 
 def parse_args() -> argparse.Namespace:

@@ -26,10 +26,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from helpers.distributed import init_distributed
-from helpers.instruments import diverged_tensors, nonfinite_ranks
-from helpers.reporting import report, result
-from helpers.tensors import checksums
+from helpers.kit.distributed import init_distributed
+from helpers.kit.instruments import diverged_tensors, nonfinite_ranks
+from helpers.kit.reporting import report, result
+from helpers.kit.tensors import checksums
 
 NAN_RANK, NAN_STEP = 1, 5
 

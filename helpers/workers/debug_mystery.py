@@ -19,10 +19,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from helpers.distributed import init_distributed
-from helpers.instruments import nonfinite_ranks
-from helpers.mystery_data import PER_RANK_BATCH, STEPS, WORLD_SIZE, images, order
-from helpers.reporting import report, result
+from helpers.kit.debugging import PER_RANK_BATCH, STEPS, WORLD_SIZE, images, order
+from helpers.kit.distributed import init_distributed
+from helpers.kit.instruments import nonfinite_ranks
+from helpers.kit.reporting import report, result
 
 
 class Classifier(nn.Module):

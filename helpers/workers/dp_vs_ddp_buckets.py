@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from helpers.distributed import init_distributed
-from helpers.instruments import AllreduceCounter, counting_allreduce_hook
-from helpers.models import mlp
-from helpers.reporting import progress, report, result
+from helpers.kit.distributed import init_distributed
+from helpers.kit.instruments import AllreduceCounter, counting_allreduce_hook
+from helpers.kit.models import mlp
+from helpers.kit.reporting import progress, report, result
 
 MIB = 2**20
 

@@ -2,10 +2,10 @@
 
     torchrun --standalone --nproc-per-node 2 helpers/workers/dp_vs_ddp_no_sync.py --accumulate 4 --per-rank-batch 8
 
-Each rank accumulates gradients over `accumulate` micro-batches of `per-rank-batch` samples twice: once syncing on every
-backward, once inside no_sync() for all but the last, and once
-with only the backward inside no_sync() (the forward outside: DDP still syncs). It counts the all-reduce calls (comm hook)
-and compares both results with one process that sees every rank's micro-batches at once.
+Each rank accumulates gradients over `accumulate` micro-batches of `per-rank-batch` samples three times: once syncing on
+every backward, once inside no_sync() for all but the last, and once with only the backward inside no_sync() (the
+forward outside: DDP still syncs). It counts the all-reduce calls (comm hook) and compares both results with one process
+that sees every rank's micro-batches at once.
 """
 import argparse
 import contextlib
@@ -14,11 +14,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from helpers.distributed import init_distributed
-from helpers.instruments import AllreduceCounter, counting_allreduce_hook
-from helpers.models import mlp
-from helpers.reporting import result
-from helpers.tensors import max_abs_diff
+from helpers.kit.distributed import init_distributed
+from helpers.kit.instruments import AllreduceCounter, counting_allreduce_hook
+from helpers.kit.models import mlp
+from helpers.kit.reporting import result
+from helpers.kit.tensors import max_abs_diff
 
 
 def accumulate(model: DDP, batches: list[tuple[torch.Tensor, torch.Tensor]], use_no_sync: bool) -> list[torch.Tensor]:

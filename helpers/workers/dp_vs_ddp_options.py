@@ -23,9 +23,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile
 
-from helpers.distributed import init_distributed
-from helpers.models import mlp
-from helpers.reporting import result
+from helpers.kit.distributed import init_distributed
+from helpers.kit.models import mlp
+from helpers.kit.reporting import result
 
 SETTINGS = {
     "default": {},

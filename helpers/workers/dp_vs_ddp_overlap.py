@@ -6,7 +6,7 @@ After `--steps` - `--profiled` settling steps (DDP rebuilds its buckets after th
 `--profiled` steps with torch.profiler and hands back, per step, the backward ops (on the training
 thread), the moments each bucket's all-reduce was issued (`c10d::allreduce_`, on the training thread) and
 the all-reduce running in gloo's own thread (`gloo:all_reduce`), as spans in microseconds from the start of
-that step's backward. helpers.dp_vs_ddp.overlap measures them.
+that step's backward. helpers.lessons.dp_vs_ddp.overlap measures them.
 CPU and gloo only, and it refuses CUDA: there the backward events on the CPU are only the launches, running
 ahead of the GPU, so "compute" would have to be the compute stream's kernels, which this worker does not read.
 Works with one process too.
@@ -18,9 +18,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from helpers.distributed import init_distributed
-from helpers.models import mlp
-from helpers.reporting import result
+from helpers.kit.distributed import init_distributed
+from helpers.kit.models import mlp
+from helpers.kit.reporting import result
 
 # c10d's op is the call that hands a bucket to the backend; gloo's event is the transfer itself (with waiting).
 ISSUED, RUNNING = "c10d::allreduce_", "gloo:all_reduce"

@@ -7,7 +7,7 @@
 Every mode trains the same wide MLP (matrix multiplies dominate) for `--steps` steps on the same
 batches and times the steps after the first two:
 - ddp: one process per rank, one intra-op thread each, DistributedDataParallel, global-batch / world size per rank;
-- dp: one process; on CPU our rebuild, helpers.cpu_data_parallel.NaiveDataParallel, with `--devices` threads and one
+- dp: one process; on CPU our rebuild, helpers.kit.dp_vs_ddp.NaiveDataParallel, with `--devices` threads and one
   intra-op thread (so as many threads compute as DDP has processes), and its median time per phase;
   with 2+ GPUs, the real nn.DataParallel;
 - single: one process, no wrapper, `--threads` intra-op threads: what the same cores do without any DP.
@@ -21,10 +21,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from helpers.cpu_data_parallel import NaiveDataParallel
-from helpers.distributed import init_distributed
-from helpers.models import mlp
-from helpers.reporting import result
+from helpers.kit.distributed import init_distributed
+from helpers.kit.dp_vs_ddp import NaiveDataParallel
+from helpers.kit.models import mlp
+from helpers.kit.reporting import result
 
 
 def batches(steps: int, global_batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

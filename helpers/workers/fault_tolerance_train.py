@@ -31,11 +31,11 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
-from helpers.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from helpers.data import load
-from helpers.distributed import init_distributed
-from helpers.models import SimpleModel
-from helpers.reporting import progress, report, result
+from helpers.kit.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from helpers.kit.data import load
+from helpers.kit.distributed import init_distributed
+from helpers.kit.models import SimpleModel
+from helpers.kit.reporting import progress, report, result
 
 NOISE = 0.05  # augmentation noise: every rank draws its own, so every rank's RNG state matters on resume
 

@@ -27,9 +27,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from helpers import transformer
-from helpers.distributed import init_distributed
-from helpers.reporting import progress, report, result
+from helpers.kit import transformer
+from helpers.kit.distributed import init_distributed
+from helpers.kit.reporting import progress, report, result
 
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # the root returns a view; we never write into it
 

@@ -2,7 +2,7 @@
 
     torchrun --standalone --nproc-per-node 4 helpers/workers/mesh_layouts.py --steps 20
 
-Layouts (helpers/transformer.py): fsdp (FSDP2 over a 1-D mesh of all ranks), hsdp (a 2-D mesh
+Layouts (helpers/kit/transformer.py): fsdp (FSDP2 over a 1-D mesh of all ranks), hsdp (a 2-D mesh
 ("replicate", "shard") given to fully_shard), fsdp_tp (tensor + sequence parallelism over "tp", FSDP over
 "dp") and fsdp_tp_no_sp (the same without sequence parallelism). Every step uses the same global batch
 (the same tokens) as one process would; each data-parallel rank takes its rows. After step 0's backward every
@@ -25,9 +25,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from helpers import transformer
-from helpers.distributed import init_distributed
-from helpers.reporting import progress, result
+from helpers.kit import transformer
+from helpers.kit.distributed import init_distributed
+from helpers.kit.reporting import progress, result
 
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # the root returns a view; we never write into it
 

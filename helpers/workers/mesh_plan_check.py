@@ -2,7 +2,7 @@
 
     torchrun --standalone --nproc-per-node 2 helpers/workers/mesh_plan_check.py notebooks/my_mlp_plan.py
 
-The plan file defines PLAN, the dict parallelize_module takes for helpers.transformer.FeedForward
+The plan file defines PLAN, the dict parallelize_module takes for helpers.kit.transformer.FeedForward
 ({"w1": ..., "w2": ...}). Every rank builds the same block and input (seed 0), keeps a plain copy, applies
 PLAN on a 1-D mesh of all ranks and runs forward and backward under CommDebugMode. The input requires grad, as
 it does inside the model (it is the output of the norm before the block), so backward computes its gradient
@@ -21,9 +21,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import parallelize_module
 
-from helpers import transformer
-from helpers.distributed import init_distributed
-from helpers.reporting import result
+from helpers.kit import transformer
+from helpers.kit.distributed import init_distributed
+from helpers.kit.reporting import result
 
 
 def whole(tensor: torch.Tensor) -> torch.Tensor:

@@ -15,8 +15,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from helpers.distributed import init_distributed
-from helpers.reporting import result
+from helpers.kit.distributed import init_distributed
+from helpers.kit.reporting import result
 
 
 def main() -> None:

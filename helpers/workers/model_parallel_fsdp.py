@@ -25,10 +25,10 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from helpers.distributed import init_distributed
-from helpers.models import mlp
-from helpers.reporting import report, result
-from helpers.tensors import max_abs_diff
+from helpers.kit.distributed import init_distributed
+from helpers.kit.models import mlp
+from helpers.kit.reporting import report, result
+from helpers.kit.tensors import max_abs_diff
 
 traffic: Counter = Counter()
 reduce_ops: set[str] = set()  # the ReduceOp FSDP passes to reduce_scatter_single

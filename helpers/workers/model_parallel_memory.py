@@ -27,11 +27,11 @@ from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from helpers.distributed import init_distributed
-from helpers.instruments import SavedActivations
-from helpers.models import mlp
-from helpers.reporting import result
-from helpers.tensors import held_bytes
+from helpers.kit.distributed import init_distributed
+from helpers.kit.instruments import SavedActivations
+from helpers.kit.models import mlp
+from helpers.kit.reporting import result
+from helpers.kit.tensors import held_bytes
 
 
 def wrap(model: nn.Module, mode: str, device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer]:

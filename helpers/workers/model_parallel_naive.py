@@ -16,11 +16,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from helpers.distributed import init_distributed
-from helpers.instruments import SimulatedWork, Stopwatch
-from helpers.models import mlp, split_stages
-from helpers.reporting import report, result
-from helpers.tensors import max_abs_diff
+from helpers.kit.distributed import init_distributed
+from helpers.kit.instruments import SimulatedWork, Stopwatch
+from helpers.kit.models import mlp, split_stages
+from helpers.kit.reporting import report, result
+from helpers.kit.tensors import max_abs_diff
 
 
 def main() -> None:

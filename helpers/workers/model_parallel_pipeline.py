@@ -30,11 +30,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from helpers.distributed import init_distributed
-from helpers.instruments import SavedActivations, SimulatedWork, Stopwatch
-from helpers.models import mlp, split_stages
-from helpers.reporting import progress, result
-from helpers.tensors import max_abs_diff
+from helpers.kit.distributed import init_distributed
+from helpers.kit.instruments import SavedActivations, SimulatedWork, Stopwatch
+from helpers.kit.models import mlp, split_stages
+from helpers.kit.reporting import progress, result
+from helpers.kit.tensors import max_abs_diff
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 

@@ -21,9 +21,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from helpers.distributed import init_distributed
-from helpers.reporting import result
-from helpers.tensors import max_abs_diff
+from helpers.kit.distributed import init_distributed
+from helpers.kit.reporting import result
+from helpers.kit.tensors import max_abs_diff
 
 
 class SumOverRanks(torch.autograd.Function):

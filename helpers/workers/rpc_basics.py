@@ -15,7 +15,7 @@ import torch
 import torch.distributed.rpc as rpc
 from torch._C._distributed_rpc import _rref_context_get_debug_info
 
-from helpers.reporting import result
+from helpers.kit.reporting import result
 
 
 def whoami(x: torch.Tensor) -> str:

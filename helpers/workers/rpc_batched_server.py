@@ -18,9 +18,9 @@ import torch
 import torch.distributed.rpc as rpc
 import torch.nn.functional as F
 
-from helpers.models import SimpleModel
-from helpers.reporting import progress, report, result
-from helpers.rpc_training import accuracy, start_rpc, trainer_batches, worker_name
+from helpers.kit.models import SimpleModel
+from helpers.kit.reporting import progress, report, result
+from helpers.kit.rpc import accuracy, start_rpc, trainer_batches, worker_name
 
 _server = None
 _server_lock = threading.Lock()

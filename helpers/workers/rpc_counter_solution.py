@@ -14,7 +14,7 @@ import warnings
 
 import torch.distributed.rpc as rpc
 
-from helpers.reporting import result
+from helpers.kit.reporting import result
 
 
 class Counter:

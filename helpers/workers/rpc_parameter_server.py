@@ -22,9 +22,9 @@ import torch.nn.functional as F
 from torch.distributed.optim import DistributedOptimizer
 from torch.func import functional_call
 
-from helpers.models import SimpleModel
-from helpers.reporting import progress, report, result
-from helpers.rpc_training import accuracy, start_rpc, trainer_batches, warnings_seen, worker_name
+from helpers.kit.models import SimpleModel
+from helpers.kit.reporting import progress, report, result
+from helpers.kit.rpc import accuracy, start_rpc, trainer_batches, warnings_seen, worker_name
 
 _server = None
 _server_lock = threading.Lock()

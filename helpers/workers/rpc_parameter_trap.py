@@ -17,8 +17,8 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch import nn
 
-from helpers.reporting import result
-from helpers.rpc_training import start_rpc, worker_name
+from helpers.kit.reporting import result
+from helpers.kit.rpc import start_rpc, worker_name
 
 torch.manual_seed(0)
 layer = nn.Linear(3, 1)  # lives on every rank, but only the owner's ("ps") is used

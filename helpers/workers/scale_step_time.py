@@ -27,8 +27,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from helpers.distributed import init_distributed
-from helpers.reporting import progress, result
+from helpers.kit.distributed import init_distributed
+from helpers.kit.reporting import progress, result
 
 
 def slowest_median(action: Callable[[], object], repeats: int) -> float:

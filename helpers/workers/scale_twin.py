@@ -3,8 +3,8 @@
     torchrun --standalone --nproc-per-node 2 helpers/workers/scale_twin.py --steps 2
 
 Every rank builds the same model (seed 0), shards it over a 1-D mesh of all ranks with lesson 10's plan
-(helpers.transformer.apply_tp) and trains it on the same global batch (tensor parallelism splits the model, not
-the data). helpers.twin.tp_record runs the steps, the same function the notebook runs under LocalTensorMode.
+(helpers.kit.transformer.apply_tp) and trains it on the same global batch (tensor parallelism splits the model, not
+the data). helpers.kit.scale.tp_record runs the steps, the same function the notebook runs under LocalTensorMode.
 Each rank hands back, per step, its loss, and its local gradients and parameters as exact float lists; every
 module's output in the first forward; and
 CommDebugMode's count of the first step's collectives; and
@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from helpers.distributed import init_distributed
-from helpers.reporting import report, result
-from helpers.transformer import batch
-from helpers.twin import order_probe, tp_record
+from helpers.kit.distributed import init_distributed
+from helpers.kit.reporting import report, result
+from helpers.kit.scale import order_probe, tp_record
+from helpers.kit.transformer import batch
 
 
 def main() -> None:
@@ -39,7 +39,7 @@ def main() -> None:
     for step, entry in enumerate(record):
         report(step=step, loss=entry["loss"].item())
     # float32 -> Python float -> JSON -> float32 is exact, so the notebook can compare bit for bit.
-    # The control: the four ORDER_PROBE values (helpers/scale.py) summed by this backend.
+    # The control: the four ORDER_PROBE values (helpers/lessons/scale.py) summed by this backend.
     probe_values = (2.0**24, 1.0, -(2.0**24), 1.0)
     probe = order_probe(torch.full((world_size,), probe_values[rank % 4], device=device))
     result(comm_counts=record[0]["comm_counts"],  # CommDebugMode's count of the first step on this real group

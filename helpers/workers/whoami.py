@@ -15,7 +15,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from helpers.reporting import result
+from helpers.kit.reporting import result
 
 NAMES = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"]
 

@@ -3,15 +3,15 @@
     torchrun --standalone --nproc-per-node 2 helpers/workers/zero_check.py --impl solution --stage zero3
 
 --impl: a file with the learner's class (notebooks/my_zero3.py, ...) or `solution` (zero_solution.py).
---stage: bucketed (BucketedDDP), zero1, zero2 or zero3. For each of three models (helpers.zero_kit.build_model:
+--stage: bucketed (BucketedDDP), zero1, zero2 or zero3. For each of three models (helpers.kit.zero.build_model:
 mlp, odd = no tensor divides by 2, tied = one weight shared) it trains 5 AdamW steps on each rank's own data,
 with the class under test and with torch's DistributedDataParallel (and, for zero3, FSDP2's fully_shard),
 from the same weights. Each rank hands back: how far its gradients after step 0 are from DDP's averaged ones,
 its parameters and shards, the bytes its tensors hold (read from the tensors), for ZeRO the bytes of every other
 tensor reachable from the class's object and the model (reachable_tensors), the collectives issued while the
-class was built and in each step (helpers.zero_kit.CommLog; torch's DDP is counted through its default comm hook,
+class was built and in each step (helpers.kit.zero.CommLog; torch's DDP is counted through its default comm hook,
 which calls dist.all_reduce), and markers for the end of backward, the start and end of each unit's forward and the
-start of each unit's backward. helpers/zero.py reads the results and decides. Works with one process.
+start of each unit's backward. helpers/lessons/zero.py reads the results and decides. Works with one process.
 """
 import argparse
 import functools
@@ -26,9 +26,9 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from helpers.distributed import init_distributed
-from helpers.reporting import result
-from helpers.zero_kit import CommLog, build_model, padded_flat, storage_bytes, storage_key
+from helpers.kit.distributed import init_distributed
+from helpers.kit.reporting import result
+from helpers.kit.zero import CommLog, build_model, padded_flat, storage_bytes, storage_key
 
 CLASSES = {"bucketed": "BucketedDDP", "zero1": "Zero1", "zero2": "Zero2", "zero3": "Zero3"}
 MODELS, STEPS, LR, CAP_MB = ("mlp", "odd", "tied"), 5, 1e-2, 0.01  # cap 10 KiB: the mlp makes 2 buckets

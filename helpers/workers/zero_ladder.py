@@ -25,9 +25,9 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from helpers.distributed import init_distributed
-from helpers.reporting import result
-from helpers.zero_kit import storage_bytes
+from helpers.kit.distributed import init_distributed
+from helpers.kit.reporting import result
+from helpers.kit.zero import storage_bytes
 
 
 def load_zero1(impl: str):

@@ -5,14 +5,14 @@
 Not a script: helpers/workers/zero_check.py loads these classes (or the learner's, from my_*.py) and checks
 them against torch's DistributedDataParallel and fully_shard. Every Zero class shards each parameter the
 same way: flattened, padded with zeros to a multiple of the world size, rank r keeps chunk r
-(helpers.zero_kit.padded_flat). `shards` maps each parameter to this rank's shard; `optimizer` is the
+(helpers.kit.zero.padded_flat). `shards` maps each parameter to this rank's shard; `optimizer` is the
 ordinary optimizer that updates the shards.
 """
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from helpers.zero_kit import alloc_storage, free_storage, padded_flat
+from helpers.kit.zero import alloc_storage, free_storage, padded_flat
 
 
 class BucketedDDP(nn.Module):

@@ -2,8 +2,8 @@
 
     torchrun --standalone --nproc-per-node 2 helpers/workers/zero_torch.py
 
-The lesson's mlp (helpers.zero_kit.build_model), 5 AdamW steps on each rank's own data, three ways. For each,
-every rank hands back the collectives of each step (helpers.zero_kit.CommLog: DDP through its default comm
+The lesson's mlp (helpers.kit.zero.build_model), 5 AdamW steps on each rank's own data, three ways. For each,
+every rank hands back the collectives of each step (helpers.kit.zero.CommLog: DDP through its default comm
 hook, which calls dist.all_reduce; ZeroRedundancyOptimizer's dist.broadcast calls; FSDP2's
 dist.all_gather_single and dist.reduce_scatter_single), the bytes of Adam state, gradients and parameters it
 holds (read from the tensors), and how far its parameters are from DDP's. For ZeroRedundancyOptimizer also
@@ -18,9 +18,9 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from helpers.distributed import init_distributed
-from helpers.reporting import result
-from helpers.zero_kit import CommLog, build_model, storage_bytes
+from helpers.kit.distributed import init_distributed
+from helpers.kit.reporting import result
+from helpers.kit.zero import CommLog, build_model, storage_bytes
 
 log = CommLog().install()
 

@@ -1,10 +1,11 @@
-"""Lesson 04's library (helpers/amp.py) and the exercise's check. The AMP workers are launched, and asserted, by the
-lesson (notebooks/04_amp.ipynb, under pytest --nbval); here only plain functions, without launches."""
+"""Lesson 04's library (helpers/lessons/amp.py) and the exercise's check. The AMP workers are launched, and asserted,
+by the lesson (notebooks/04_amp.ipynb, under pytest --nbval); here only plain functions, without launches."""
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from helpers.amp import (
+from helpers.kit.models import SimpleModel
+from helpers.lessons.amp import (
     bytes_per_parameter,
     cast_bytes_alive,
     cast_names_alive,
@@ -19,7 +20,6 @@ from helpers.amp import (
     saved_tensor_bytes,
     underflow_fraction,
 )
-from helpers.models import SimpleModel
 
 
 def test_format_facts_match_ieee_and_bf16() -> None:
@@ -152,7 +152,7 @@ def test_op_dtypes_separates_autocast_promote_from_type_promotion() -> None:
 
 
 def test_saved_tensor_bytes_halves_the_floating_activations_under_bf16() -> None:
-    from helpers.models import SmallCNN
+    from helpers.kit.models import SmallCNN
 
     images, labels = torch.rand(8, 1, 28, 28), torch.randint(0, 10, (8,))
     torch.manual_seed(0)
@@ -166,7 +166,7 @@ def test_saved_tensor_bytes_halves_the_floating_activations_under_bf16() -> None
 
 
 def test_parameter_bytes_at_end_of_forward_depend_on_where_zero_grad_runs() -> None:
-    from helpers.models import SmallCNN
+    from helpers.kit.models import SmallCNN
 
     images, labels = torch.rand(8, 1, 28, 28), torch.randint(0, 10, (8,))
     torch.manual_seed(0)
@@ -182,7 +182,7 @@ def test_parameter_bytes_at_end_of_forward_depend_on_where_zero_grad_runs() -> N
 
 
 def test_onednn_convolutions_reads_the_verbose_lines() -> None:
-    from helpers.models import SmallCNN
+    from helpers.kit.models import SmallCNN
 
     if not torch.backends.mkldnn.is_available():
         return
@@ -236,7 +236,7 @@ def test_check_says_clipping_after_the_step_not_before_unscale(capsys) -> None:
 
 
 def test_parameter_bytes_at_end_of_forward_in_plain_fp32() -> None:
-    from helpers.models import SmallCNN
+    from helpers.kit.models import SmallCNN
 
     images, labels = torch.rand(8, 1, 28, 28), torch.randint(0, 10, (8,))
     for before, set_to_none, expected in ((True, True, 12), (False, True, 16), (True, False, 16)):

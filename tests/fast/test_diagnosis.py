@@ -109,7 +109,7 @@ def test_clean_traceback_drops_launcher_frames_and_machine_paths():
             '  File "/home/me/.venv/lib/python3.11/site-packages/torch/distributed/c10d_logger.py", line 83\n'
             'ValueError: broke\n')
     cleaned = clean_traceback(text, ("/home/me/repo",))
-    assert "runpy" not in cleaned and "_bootstrap" not in cleaned
+    assert "runpy" not in cleaned and "bootstrap.py" not in cleaned and "run_script" not in cleaned
     assert '"train.py", line 9' in cleaned and '".../site-packages/torch/distributed/c10d_logger.py"' in cleaned
 
 
@@ -159,6 +159,15 @@ WHERE_RULES = [
      dump([(f"{SITE}/torch/distributed/rpc/api.py", 101, "shutdown"),
            (f"{SITE}/torch/distributed/rpc/api.py", 80, "wrapper"), (SCRIPT, 90, "<module>")]),
      149, "in rpc.shutdown at train.py:90 (step 149)"),
+    ("a kit function between the learner and the collective: the learner's own call is blamed",
+     dump([(f"{SITE}/torch/distributed/distributed_c10d.py", 1700, "init_process_group"),
+           (f"{SITE}/torch/distributed/c10d_logger.py", 95, "wrapper"),
+           ("/repo/helpers/kit/distributed.py", 40, "init_distributed"), (SCRIPT, 12, "<module>"), *FORKED_BELOW]),
+     None, "waiting in dist.init_process_group at train.py:12"),
+    ("a learner's class run by a course worker (lesson 09): the class's line, not the worker's",
+     dump([(f"{SITE}/torch/distributed/distributed_c10d.py", 3913, "all_reduce"),
+           ("/repo/notebooks/my_zero.py", 31, "step"), (SCRIPT, 80, "main"), (SCRIPT, 99, "<module>")]),
+     None, "waiting in dist.all_reduce at my_zero.py:31"),
     ("plain Python on the learner's line, no call: running",
      dump([(SCRIPT, 61, "<module>")]), 3, "running at train.py:61 (step 3)"),
     ("nothing in the dump (the process did not answer)", "", None, "no Python stack (the process did not answer)"),

@@ -4,10 +4,10 @@ model predicts what DDP really did is asserted by lesson 03 (notebooks/03_datapa
 import matplotlib
 import pytest
 
-from helpers import explorers
-from helpers.collectives import predict_allreduce_seconds
-from helpers.model_parallel import memory_per_rank, pipeline_schedule
-from helpers.models import mlp
+from helpers.kit.models import mlp
+from helpers.lessons import explorers
+from helpers.lessons.collectives import predict_allreduce_seconds
+from helpers.lessons.model_parallel import memory_per_rank, pipeline_schedule
 
 matplotlib.use("Agg")
 LATENCY, BANDWIDTH = 0.7e-3, 0.5e9

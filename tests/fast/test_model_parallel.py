@@ -1,12 +1,13 @@
-"""Lesson 07's library (helpers/model_parallel.py) and the exercise's check. The model_parallel_* workers are
+"""Lesson 07's library (helpers/lessons/model_parallel.py) and the exercise's check. The model_parallel_* workers are
 launched, and asserted, by the lesson (notebooks/07_model_parallel.ipynb, under pytest --nbval); here only plain
 functions, without launches."""
 
 import pytest
 import torch
 
-from helpers.instruments import SavedActivations
-from helpers.model_parallel import (
+from helpers.kit.instruments import SavedActivations
+from helpers.kit.models import mlp, split_stages
+from helpers.lessons.model_parallel import (
     activation_bytes,
     bubble_fraction,
     check_stage_order,
@@ -18,7 +19,6 @@ from helpers.model_parallel import (
     started_before_input,
     torch_1f1b_order,
 )
-from helpers.models import mlp, split_stages
 
 
 def test_memory_per_rank_shards_one_more_part_per_mode():
@@ -182,7 +182,7 @@ def test_stopwatch_gives_the_first_stage_no_input_gradient():
     """A first stage (plain data) is timed without computing its input's gradient; a later stage is marked once."""
     from torch import nn
 
-    from helpers.instruments import Stopwatch
+    from helpers.kit.instruments import Stopwatch
 
     input_gradients = []
 

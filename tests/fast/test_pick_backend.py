@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.distributed import _kernels_for, pick_backend
+from helpers.kit.distributed import _kernels_for, pick_backend
 
 BUILD = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]  # torch 2.14.1's CUDA 13.0 wheel
 

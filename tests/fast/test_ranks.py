@@ -4,7 +4,7 @@ import json
 import re
 
 from helpers import REPO_ROOT
-from helpers.ranks import check_global_rank, torch_ranks
+from helpers.lessons.ranks import check_global_rank, torch_ranks
 from helpers.tools.workshop import student_cells
 
 # what whoami.py hands back for two nodes of two processes (only the fields the check reads)
@@ -33,8 +33,8 @@ def test_torch_ranks_counts_every_process_of_the_nodes_before():
 
 
 def test_the_module_the_exercise_names_holds_no_formula():
-    # lesson 00's exercise names helpers/ranks.py; the learner's copy of it must not hold the answer
-    source = (REPO_ROOT / "helpers" / "ranks.py").read_text(encoding="utf-8")
+    # lesson 00's exercise names helpers/lessons/ranks.py; the learner's copy of it must not hold the answer
+    source = (REPO_ROOT / "helpers" / "lessons" / "ranks.py").read_text(encoding="utf-8")
     assert not re.search(r"\+\s*local_rank|local_rank\s*\+|\*\s*n?procs?_per_node|procs_per_node\[:", source)
 
 

@@ -6,9 +6,10 @@ import re
 
 from helpers import REPO_ROOT
 
-# Only in requirements.txt: the browser tests' driver (the tests skip without it) and the project itself (binder's
-# postBuild and the README's CPU-only line install it with `-e .`).
-ONLY_IN_MAIN = {"playwright", "-e ."}
+# Only in requirements.txt: the browser tests' driver (the tests skip without it), the maintainers' checks that .ci/run
+# runs (import-linter, ruff), and the project itself (binder's postBuild and the README's CPU-only line install it
+# with `-e .`).
+ONLY_IN_MAIN = {"playwright", "import-linter", "ruff", "-e ."}
 
 
 def pins(path) -> dict[str, str]:

@@ -1,7 +1,7 @@
 """Reports torchrun's environment and a few metrics, progress and results."""
 import os
 
-from helpers.reporting import progress, report, result
+from helpers.kit.reporting import progress, report, result
 
 names = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
          "TORCHELASTIC_RUN_ID", "GROUP_RANK"]

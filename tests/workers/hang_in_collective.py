@@ -4,7 +4,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from helpers.reporting import report
+from helpers.kit.reporting import report
 
 dist.init_process_group("gloo")
 for step in range(3):

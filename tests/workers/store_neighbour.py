@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from helpers.reporting import result
+from helpers.kit.reporting import result
 
 
 def main() -> None:

@@ -3,6 +3,6 @@ import os
 
 import torch
 
-from helpers.reporting import result
+from helpers.kit.reporting import result
 
 result(omp=os.environ.get("OMP_NUM_THREADS"), torch_threads=torch.get_num_threads())

@@ -1,0 +1,311 @@
+"""Library code for lesson 02 (DistributedDataParallel), used by its workers and its notebook.
+
+    from helpers.kit.tensors import flat, parameter_checksum
+    from helpers.lessons.ddp import single_process_reference
+    from helpers.kit.ddp import article_source
+    from helpers.lessons.ddp import check_ddp_worker, last_error_line, undefined_names
+
+Taught in notebooks/02_ddp.ipynb: checksums prove the ranks hold identical weights, the single-
+process reference proves DDP's averaged gradients equal one big batch's, and the article helpers
+run the source article's tutorial with some of its bugs fixed to show where it breaks.
+"""
+from __future__ import annotations
+
+import ast
+import builtins
+import difflib
+import functools
+import html
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from helpers.kit.tensors import flat, max_abs_diff, parameter_checksum
+from helpers.lessons.checks import announce_run, correct, each_rank, not_yet
+
+
+def single_process_reference(global_batch: int, steps: int, lr: float = 0.1, seed: int = 0) -> dict:
+    """What one process computes on the same global batches as ddp_equivalence.py.
+
+    Returns the first step's gradient and the weights after `steps` plain SGD steps.
+    """
+    from helpers.kit.data import load
+    from helpers.kit.models import build_model
+
+    train_set, _ = load(train=True, limit=global_batch * steps)
+    torch.manual_seed(seed)
+    model = build_model("simple")
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    first_gradient = None
+    for images, labels in torch.utils.data.DataLoader(train_set, batch_size=global_batch):
+        loss = nn.functional.cross_entropy(model(images), labels)
+        optimizer.zero_grad()
+        loss.backward()
+        if first_gradient is None:
+            first_gradient = flat([p.grad for p in model.parameters()])
+        optimizer.step()
+    return {"first_gradient": first_gradient, "final_weights": flat(list(model.parameters())),
+            "checksum": parameter_checksum(model)}
+
+
+# ---------------------------------------------------------------- showing scripts
+
+
+def script_lines(path: Path) -> list[str]:
+    """A script's lines after its module docstring."""
+    text = Path(path).read_text()
+    return text[text.index('"""', 3) + 3:].lstrip().splitlines(keepends=True)
+
+
+def coloured_diff(old: Path, new: Path, context: int = 1):
+    """A unified diff of two scripts (without their docstrings) as HTML: removed lines red, added lines green."""
+    from IPython.display import HTML
+
+    colours = {"-": "#ffebe9", "+": "#dafbe1", "@": "#ddf4ff"}
+    rows = []
+    for line in difflib.unified_diff(script_lines(old), script_lines(new), Path(old).name, Path(new).name,
+                                     n=context):
+        line = line.rstrip("\n")
+        colour = "#eeeeee" if line.startswith(("---", "+++")) else colours.get(line[:1])
+        style = f" style='background:{colour}'" if colour else ""
+        rows.append(f"<div{style}>{html.escape(line) or '&nbsp;'}</div>")
+    return HTML("<pre style='font-size:12px;line-height:1.3'>" + "".join(rows) + "</pre>")
+
+
+def folded_listing(path: Path, summary: str):
+    """A script, syntax-highlighted inside a closed <details> fold that says what it is: open it to read."""
+    from IPython.display import HTML
+    from pygments import highlight
+    from pygments.formatters import HtmlFormatter
+    from pygments.lexers import PythonLexer
+
+    code = highlight(Path(path).read_text(), PythonLexer(), HtmlFormatter(noclasses=True, nobackground=True))
+    lines = len(Path(path).read_text().splitlines())
+    return HTML(f"<details><summary><b>{html.escape(Path(path).name)}</b> ({lines} lines): "
+                f"{html.escape(summary)}. Click to open.</summary>{code}</details>")
+
+
+# ---------------------------------------------------------------- the article's tutorial, as printed
+
+
+def undefined_names(source: str) -> list[str]:
+    """Names a module reads but never imports, defines or assigns (what `import os` would fix)."""
+    tree = ast.parse(source)
+    defined = set(dir(builtins))
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            defined |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+        elif isinstance(node, ast.arg):
+            defined.add(node.arg)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            defined.add(node.id)
+    used = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)}
+    return sorted(used - defined)
+
+
+def last_error_line(text: str) -> str:
+    """The final 'SomeError: message' line of a traceback, without machine paths."""
+    lines = [line.strip() for line in str(text).splitlines() if re.match(r"^\s*[\w.]+(Error|Exception)\b", line)]
+    line = lines[-1] if lines else str(text).strip().splitlines()[-1]
+    return re.sub(r"(from )?'?/[^\s'>]*'?", "", line).replace(" >", ">").strip()
+
+
+# ---------------------------------------------------------------- section 8: one rank or two, what the controls say
+
+STEP_SETTINGS = {"one": "1 rank(s) x 1 thread(s)", "two_threads": "1 rank(s) x 2 thread(s)",
+                 "ddp": "2 rank(s) x 1 thread(s)", "quiet": "2 rank(s) x 1 thread(s), no all-reduce",
+                 "half": "1 rank(s) x 1 thread(s), batch 32"}
+
+
+def _batch_saving(one: float, half: float) -> str:
+    """What halving the batch did to one rank's step, in words that stay true when it saved nothing."""
+    saved = 1 - half / one
+    if abs(saved) < 0.005:
+        return "halving the batch did not change the step time"
+    return f"halving the batch saved {saved:.0%} of the step" if saved > 0 else \
+        f"at half the batch the step took {-saved:.0%} longer"
+
+
+def _speed_word(ratio: float) -> str:
+    return "about the same" if 0.9 <= ratio <= 1.1 else "faster" if ratio > 1 else "slower"
+
+
+def explain_step_times(step_ms: dict[str, float], parameters: dict[str, int],
+                       blocks: dict[str, list[float]]) -> dict[str, float]:
+    """Print, per model, the differences between ddp_step_time.py's settings (median ms per step) and what they
+    say; return each setting's speed against 1 rank x 1 thread (for a bar chart). The differences:
+    sharing = no all-reduce - 1 rank at batch 32 (2 processes on 2 shared cores, DDP's bookkeeping);
+    all-reduce = DDP - no all-reduce (the all-reduce, including waiting for the partner);
+    extra = DDP - 1 rank at batch 32 (all that 2 ranks add to one rank's half of the work).
+    `blocks`: each setting's seconds per step in every block (their spread says how noisy a median is)."""
+    speedup = {}
+    for model, name in (("simple", "the article's model"), ("cnn", "the CNN")):
+        one, half, quiet, ddp, two_threads = (step_ms[f"{model}, {STEP_SETTINGS[key]}"]
+                                              for key in ("one", "half", "quiet", "ddp", "two_threads"))
+        for short, value in (("2 threads", two_threads), ("2 ranks,\nno all-reduce", quiet), ("2 ranks", ddp)):
+            speedup[f"{model}\n{short}"] = one / value
+        bare = step_ms[f"{model}, all_reduce alone, {parameters[model]} floats"]
+        sharing, all_reduce = quiet - half, ddp - quiet
+        print(f"{name}: against 1 rank x 1 thread, DDP on 2 ranks ran at {one / ddp:.2g}x the speed "
+              f"({_speed_word(one / ddp)}), 2 threads in one process at {one / two_threads:.2g}x "
+              f"({_speed_word(one / two_threads)}); medians of this run. The detail:")
+        print(f"  1 rank {one:.2f} ms per step at batch 64, {half:.2f} ms at batch 32 "
+              f"({_batch_saving(one, half)});\n"
+              f"  2 ranks without the all-reduce: {quiet:.2f} ms ({sharing:+.2f} ms against 1 rank at batch 32: "
+              f"2 processes on 2 shared cores, and DDP's bookkeeping);\n"
+              f"  2 ranks with DDP's all-reduce:  {ddp:.2f} ms ({all_reduce:+.2f} ms against no all-reduce: the "
+              f"all-reduce, including waiting for the partner);\n"
+              f"  the all-reduce alone, {parameters[model]:,} floats, no training around it: {bare:.2f} ms.")
+        if ddp > half and all_reduce > 0:
+            extra = ddp - half
+            share, transfer = all_reduce / extra, bare / extra
+            # share = (DDP - no all-reduce) / (DDP - batch 32) is over 100% exactly when the no-all-reduce
+            # control ran faster than 1 rank at batch 32 (sharing < 0), although it computes the same per rank.
+            over = ""
+            if share > 1:
+                labels = {key: f"{model}, {STEP_SETTINGS[key]}" for key in ("half", "quiet")}
+                spread = {key: 1e3 * (max(blocks[label]) - min(blocks[label])) for key, label in labels.items()}
+                noise = (f"the blocks of those two settings spread over {spread['quiet']:.2f} ms (no all-reduce) and "
+                         f"{spread['half']:.2f} ms (1 rank at batch 32), "
+                         f"so this run cannot tell them apart: read it as all of the extra"
+                         if -sharing < max(spread.values()) else
+                         "more than either setting's spread over its blocks, so not noise between blocks alone; this "
+                         "run does not say why")
+                over = (f";\n  that share is over 100% because the 2 ranks without the all-reduce ran "
+                        f"{-sharing:.2f} ms faster per step than 1 rank at batch 32, which does the same per-rank "
+                        f"work without DDP: {noise}")
+            bare_times = blocks[f"{model}, all_reduce alone, {parameters[model]} floats"]
+            over_transfer = (f" (over 100%: the all-reduce alone, timed in its own blocks, took longer than the whole "
+                             f"extra; its blocks spread over {1e3 * (max(bare_times) - min(bare_times)):.2f} ms)"
+                             if transfer > 1 else "")
+            # The no-all-reduce control removes two things at once: the transfer, and the coupling of the ranks at
+            # every step (each waits for the slower one). The all-reduce alone estimates the transfer by itself.
+            rest = all_reduce - bare
+            cause = ("most of what the all-reduce costs here is not the bare transfer; this run does not split the "
+                     "rest (waiting for the partner, DDP's work around the all-reduce)"
+                     if rest > bare else "what the all-reduce costs here is mostly the transfer itself")
+            print(f"  Of the {extra:.2f} ms above 1 rank at batch 32, removing the all-reduce removes {share:.0%} "
+                  f"(the transfer and the per-step wait for the partner together){over};\n"
+                  f"  the transfer alone (the all-reduce with no training around it) is about {transfer:.0%}"
+                  f"{over_transfer}:\n  {cause}.")
+        else:
+            print("  Here DDP was not slower than the control: this run's noise is larger than what the all-reduce "
+                  "costs, so it cannot split the 2-rank step.")
+    return speedup
+
+
+# ---------------------------------------------------------------- the exercise
+
+
+def _one_process_reference() -> dict:
+    """The starting script's result on one process, computed here in the notebook's process (the same training
+    as ddp_exercise_single.py, written out in _one_process_variant). Not a launch of that file: a learner may have
+    edited it, and the check must not depend on a file the learner can change. tests/test_ddp.py checks that
+    this equals a launch of the untouched file."""
+    from helpers.kit.data import load
+
+    train_set, _ = load(train=True, limit=256)
+    return {"weights": _one_process_variant(), "samples_seen": len(train_set)}
+
+
+@functools.cache
+def _one_process_variant(batch: int = 32, lr: float = 0.1, shuffled: bool = False) -> torch.Tensor:
+    """ddp_exercise_single.py's training, computed here in one process, with one thing changed: what a 2-rank
+    DDP run with a typical mistake computes. `shuffled`: DistributedSampler's default shuffle=True at epoch 0,
+    whose order is torch.randperm with a generator seeded 0 + epoch (torch/utils/data/distributed.py:111-112);
+    rank r takes every second index from r (:134), so the two ranks' batches k together hold positions
+    32k..32k+31 of that order."""
+    from helpers.kit.data import load
+    from helpers.kit.models import build_model
+
+    train_set, _ = load(train=True, limit=256)
+    order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(0)).tolist() if shuffled \
+        else list(range(len(train_set)))
+    torch.manual_seed(0)
+    model = build_model("simple")
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    for start in range(0, len(order), batch):
+        images, labels = train_set[order[start:start + batch]]
+        loss = nn.functional.cross_entropy(model(images), labels)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return flat(list(model.parameters()))
+
+
+def _which_mistake(weights: torch.Tensor) -> str | None:
+    """The advice for the first one-process variant that `weights` match (2 ranks only), else None."""
+    variants = (
+        ({"batch": 64}, "each rank used a batch of GLOBAL_BATCH, so every step averaged 64 samples: use a per-rank "
+                        "batch of GLOBAL_BATCH // world_size."),
+        ({"shuffled": True}, "the ranks took the samples in DistributedSampler's default shuffled order: pass "
+                             "DistributedSampler(..., shuffle=False)."),
+        ({"lr": 0.2}, "every step was twice as large, as if the gradients were summed over the ranks and not "
+                      "averaged: divide the all_reduce's sum by world_size."),
+    )
+    for change, advice in variants:
+        if max_abs_diff(weights, _one_process_variant(**change)) < 1e-5:
+            return advice
+    return None
+
+
+def check_ddp_worker(script: str | Path, nproc: int = 2, timeout: float = 60) -> bool:
+    """Launch the learner's DDP version of ddp_exercise_single.py on `nproc` ranks; say what is still missing.
+
+    Prints one line, "Correct: ..." or "Not yet: ...". The untouched starting script gets "Not yet":
+    on 2 ranks it runs twice, each copy on all the data. Both ways of averaging pass: DDP, or all_reduce
+    of every gradient by hand (ddp_exercise_solution.py, ddp_exercise_by_hand_solution.py).
+    """
+    from helpers.launcher.api import LaunchTimeout, WorkerFailed, launch
+
+    script = Path(script)
+    if not script.is_file():
+        return not_yet(f"{script} does not exist yet: write your DDP worker there first.")
+    reference = _one_process_reference()
+    announce_run(script.name, nproc, timeout, stop_after=min(15, timeout))
+    try:
+        run = launch(script, nproc=nproc, echo=False, timeout=timeout)
+    except LaunchTimeout as error:
+        return not_yet(f"your script was still running after {timeout:g} s. A collective that not every rank "
+                       f"calls (say, all_reduce or broadcast inside `if rank == 0:`) waits for the others until the "
+                       f"process group's timeout. Next time, press Stop (■) as soon as it seems stuck: the launcher "
+                       f"says the same at once. Where each rank was:{each_rank(error.where)}")
+    except WorkerFailed as error:
+        if not re.search(r"^\s*[\w.]+(Error|Exception)\b", str(error), re.M):  # no rank raised: say who left
+            return not_yet(f"your script failed on {nproc} ranks: {str(error).strip().splitlines()[0]} A rank that "
+                           "finishes while another still waits in a collective ends like this on gloo: every rank "
+                           "must call the same collectives in the same order (is one inside `if rank == 0:`?).")
+        return not_yet(f"your script failed on {nproc} ranks: {last_error_line(error)}")
+    if sorted(run.results) != list(range(nproc)) or any("weights" not in r for r in run.results.values()):
+        return not_yet("every rank must call result(weights=..., samples_seen=...) as the original script does.")
+    seen = [run.results[rank]["samples_seen"] for rank in range(nproc)]
+    total, share = reference["samples_seen"], reference["samples_seen"] // nproc
+    if seen != [share] * nproc:  # the unchanged script: every rank trains on all the data
+        return not_yet(f"the ranks trained on {seen} samples; each should train on its own {share} of the "
+                       f"{total}: give each rank its share with DistributedSampler.")
+    rank_diff = max(max_abs_diff(run.results[r]["weights"], run.results[0]["weights"]) for r in range(nproc))
+    if rank_diff != 0:  # sharded but not synchronised: each rank learns from its half only
+        return not_yet(f"the ranks end with different weights (max abs diff {rank_diff:.1e}): wrap the model in "
+                       f"DistributedDataParallel so that every step averages the gradients (or, by hand: after "
+                       f"backward(), all_reduce every parameter's .grad and divide it by world_size).")
+    diff = max_abs_diff(run.results[0]["weights"], reference["weights"])
+    advice = _which_mistake(run.results[0]["weights"]) if diff >= 1e-5 and nproc == 2 else None
+    if advice:  # the weights match one process making one of the usual mistakes
+        return not_yet(f"the ranks agree, but their weights differ from the one-process run (max abs diff "
+                       f"{diff:.1e}), and they match what one process computes with this mistake: {advice}")
+    if diff >= 1e-5:  # e.g. a per-rank batch of GLOBAL_BATCH, or shuffled shards
+        return not_yet(f"the ranks agree, but their weights differ from the one-process run (max abs diff "
+                       f"{diff:.1e}): use a per-rank batch of GLOBAL_BATCH // world_size and "
+                       f"DistributedSampler(shuffle=False); averaging by hand, divide the all_reduce's sum by "
+                       f"world_size.")
+    printed = {rank: text.strip().splitlines() for rank, text in run.logs.items() if rank != 0 and text.strip()}
+    if printed:  # e.g. the original print() left outside `if rank == 0:`: every rank prints the same line
+        rank, lines = min(printed.items())
+        return not_yet(f"the training is right, but rank {rank} printed too ({lines[0]!r}): print only on rank 0 "
+                       f"(inside `if rank == 0:`), so that the output shows each line once.")
+    return correct(f"each of {nproc} ranks trained on its own {share} of the {total} samples, the ranks end with "
+                   f"identical weights, and those equal the one-process run (max abs diff below 1e-05).")

@@ -1,0 +1,135 @@
+"""Lesson 03's library (DataParallel vs DDP): the reference gradients, DP's traffic, and overlap arithmetic.
+
+    from helpers.lessons.dp_vs_ddp import check_traffic, measured_traffic, overlap, single_device_gradients
+    measured_traffic(model, num_devices=2)     # bytes our CPU DataParallel's Broadcast copied in one iteration
+    overlap(events)                            # how much all-reduce time falls inside backward compute
+
+Our rebuild of DataParallel itself is helpers/kit/dp_vs_ddp.py; the counting comm hook is in
+helpers/kit/instruments.py.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from helpers.kit.dp_vs_ddp import NaiveDataParallel
+from helpers.kit.models import SimpleModel, mlp
+from helpers.kit.tensors import nbytes
+from helpers.lessons.checks import correct, not_yet
+
+
+def single_device_gradients(module: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+                            loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+    """The reference: plain forward/backward of the whole batch, gradients returned, module's .grad untouched."""
+    params = list(module.parameters())
+    return [g.clone() for g in torch.autograd.grad(loss_fn(module(inputs), targets), params)]
+
+
+def measured_traffic(module: nn.Module, num_devices: int, batch: int = 12) -> dict[str, int]:
+    """Bytes our rebuild's Broadcast copied out (weights) and received back (gradients) in one iteration.
+
+    A count of the tensors our CPU Broadcast cloned and summed, not a measurement of torch's GPU traffic."""
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.rand(batch, 1, 28, 28, generator=generator)
+    targets = torch.randint(0, 10, (batch,), generator=generator)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.0)
+    report = NaiveDataParallel(module, num_devices, parallel=False, evidence=False).train_step(
+        inputs, targets, nn.functional.cross_entropy, optimizer)
+    return {"weights_out": report.reduce["bytes_copied"], "grads_back": report.reduce["bytes_from_other_devices"]}
+
+
+def check_traffic(traffic: Callable[[int, int], int]) -> bool:
+    """The exercise's check: does traffic(parameter_bytes, num_devices) give the bytes DP moves per iteration?
+
+    Compared with what our rebuild's Broadcast copied and received (measured_traffic)."""
+    for name, build in (("SimpleModel", SimpleModel), ("mlp(256, 14)", lambda: mlp(256, 14))):
+        model = build()
+        parameter_bytes = nbytes(model.parameters())
+        for num_devices in (2, 3, 4):
+            moved = measured_traffic(model, num_devices)
+            try:
+                answer = traffic(parameter_bytes, num_devices)
+            except NotImplementedError:
+                return not_yet("traffic still raises NotImplementedError. Write its body.")
+            expected = moved["weights_out"] + moved["grads_back"]
+            if answer == expected:
+                continue
+            if answer == moved["weights_out"]:
+                return not_yet("that is only the weights going out; the gradients come back to device 0 too.")
+            if answer == expected * num_devices // (num_devices - 1):
+                return not_yet("device 0 keeps the module's own weights: nothing is copied to or from it.")
+            return not_yet(f"{name}, {num_devices} devices, {parameter_bytes:,} parameter bytes: "
+                           f"you said {answer:,}, our rebuild's Broadcast moved {expected:,} bytes.")
+    return correct("weights out to every device but the first, gradients back from them: "
+                   "2 x (devices - 1) x parameter bytes per iteration, as our rebuild's Broadcast counted them.")
+
+
+# ---------------------------------------------------------------------------- DDP: overlap, measured
+
+Span = tuple[float, float]
+
+
+def merge(spans: Sequence[Span]) -> list[Span]:
+    """The union of time spans, as sorted spans that do not touch."""
+    merged: list[list[float]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(start, end) for start, end in merged]
+
+
+def intersect(first: Sequence[Span], second: Sequence[Span]) -> list[Span]:
+    """The time covered by both sets of spans."""
+    first, second = merge(first), merge(second)
+    both, i, j = [], 0, 0
+    while i < len(first) and j < len(second):
+        start, end = max(first[i][0], second[j][0]), min(first[i][1], second[j][1])
+        if start < end:
+            both.append((start, end))
+        i, j = (i + 1, j) if first[i][1] < second[j][1] else (i, j + 1)
+    return both
+
+
+def subtract(spans: Sequence[Span], holes: Sequence[Span]) -> list[Span]:
+    """The time in `spans` that is not in `holes`."""
+    left = []
+    for start, end in merge(spans):
+        for hole_start, hole_end in merge(holes):
+            if hole_end <= start or hole_start >= end:
+                continue
+            if hole_start > start:
+                left.append((start, hole_start))
+            start = max(start, hole_end)
+        if start < end:
+            left.append((start, end))
+    return left
+
+
+def total(spans: Sequence[Span]) -> float:
+    return sum(end - start for start, end in merge(spans))
+
+
+def overlap(events: Sequence[dict]) -> dict[str, float]:
+    """How much of one step's running all-reduce time falls inside backward compute (dp_vs_ddp_overlap events).
+
+    compute: the backward ops on the training thread, minus the all-reduce calls issued from inside them;
+    communication: the all-reduce running in the backend's thread (with gloo this includes waiting for the
+    other ranks). fraction = |communication and compute at the same time| / |communication|.
+    """
+    def spans(kind: str) -> list[Span]:
+        return [(e["start_us"], e["end_us"]) for e in events if e["kind"] == kind]
+
+    compute = subtract(spans("backward"), spans("all-reduce issued"))
+    communication = spans("all-reduce running")
+    backward_end = max(end for _, end in spans("backward"))
+    both = total(intersect(communication, compute))
+    comm = total(communication)
+    return {"communication_us": comm, "compute_us": total(compute), "overlap_us": both,
+            "fraction": both / comm if comm else 0.0, "backward_us": backward_end,
+            "communication_after_backward_us": total(subtract(communication, [(float("-inf"), backward_end)]))}
+
+

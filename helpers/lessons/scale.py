@@ -1,0 +1,557 @@
+"""Library code for lesson 11 (beyond your laptop): many ranks simulated in one process, checked.
+
+    from helpers.lessons.scale import simulated_world, held_by_stage, collective_counts, twin_record, plan
+    with simulated_world(64, rank=0):                   # torch's "fake" process group: 64 ranks, no peers
+        held = held_by_stage(18, 20032, 20800, world_size=64)   # bytes one rank holds, from torch's tensors
+    collective_counts((8, 8), sequence_parallel=True)   # CommDebugMode's count of one FSDP x TP step
+    twin_record(4)                                      # lesson 10's TP step for 4 ranks under LocalTensorMode
+    plan(7.5e9, dp=64, stage="ZeRO-3")                   # our formulas, checked in the lesson against the above
+
+Three private torch tools do the simulating; each is pinned by tests/test_scale.py:
+- the "fake" backend (torch/testing/_internal/distributed/fake_pg.py): a process group of one rank that
+  believes it has `world_size` peers; every collective returns at once and moves no data;
+- FakeTensorMode (torch/_subclasses/fake_tensor.py): tensors with shapes, dtypes and devices but no storage,
+  so no tensor's values take memory, whatever its size;
+- LocalTensorMode (torch/distributed/_local_tensor/__init__.py): every rank's values held in one process,
+  collectives computed on them, so one SPMD program runs for all ranks at once with real numbers.
+Taught in notebooks/11_at_scale.ipynb.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+GB = 1e9  # the ZeRO paper and the Playbook print GB = 10**9 bytes (7.5e9 x 16 bytes = 120 GB)
+STAGES = ("DP", "ZeRO-1", "ZeRO-2", "ZeRO-3")
+PARTS = ("fp16 weights", "fp16 gradients", "fp32 master weights", "Adam state")
+
+
+@contextlib.contextmanager
+def simulated_world(world_size: int, rank: int = 0) -> Iterator[None]:
+    """A default process group of `world_size` ranks seen from `rank`, on torch's "fake" backend."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("a process group already exists in this process; destroy it first")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def stand_in(layers: int, width: int, hidden: int, dtype: torch.dtype) -> nn.Sequential:
+    """`layers` Linear layers without bias, alternating width -> hidden -> width (build it under FakeTensorMode).
+
+    Lesson 11's stand-in for the ZeRO paper's 7.5B model is 18 layers of 20032 x 20800 = 7,499,980,800 parameters:
+    every weight's first dimension (the one FSDP shards) is a multiple of 64, so 64 ranks get equal shards."""
+    dims = [width if i % 2 == 0 else hidden for i in range(layers + 1)]
+    return nn.Sequential(*[nn.Linear(dims[i], dims[i + 1], bias=False, dtype=dtype) for i in range(layers)])
+
+
+def _shard(model: nn.Sequential, mesh: Any) -> nn.Sequential:
+    from torch.distributed.fsdp import fully_shard
+
+    return fully_shard(model, mesh=mesh)  # one unit: FSDP2 still shards every parameter on its own (dim 0)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """What this rank stores: a DTensor's local shard, or the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def tensor_bytes(tensors: Any) -> int:
+    """Bytes of the storage behind `tensors` on this rank, each storage counted once.
+
+    A DTensor counts its local shard's storage: FSDP2 keeps each shard padded to ceil(rows / N) rows
+    (FSDPParam._sharded_param_data in torch/distributed/fsdp/_fully_shard/_fsdp_param.py), so where N does not
+    divide the rows this is more than the shard's own numel. Under FakeTensorMode no byte is allocated."""
+    storages = {}
+    for tensor in tensors:
+        storage = _local(tensor).untyped_storage()
+        storages[storage._cdata] = storage.nbytes()
+    return sum(storages.values())
+
+
+def _trained(model: nn.Sequential, dtype: torch.dtype, optimizer: bool) -> dict[str, list[torch.Tensor]]:
+    """One forward, backward (and Adam step) on a one-row batch; the tensors torch then keeps."""
+    model(torch.zeros(1, model[0].in_features, dtype=dtype)).float().sum().backward()
+    params = list(model.parameters())
+    kept = {"params": params, "grads": [p.grad for p in params]}
+    if optimizer:
+        adam = torch.optim.Adam(params)
+        adam.step()
+        kept["state"] = [t for p in params for t in adam.state[p].values()]  # exp_avg, exp_avg_sq, step
+    return kept
+
+
+def held_replicated(layers: int, width: int, hidden: int) -> dict[str, int]:
+    """Bytes one data-parallel rank holds when nothing is sharded, read from torch's tensors (FakeTensorMode).
+
+    A bf16 copy of the stand-in trained one step gives the fp16 weights and gradients; an fp32 copy trained one
+    step with torch.optim.Adam gives the master weights, Adam's state (exp_avg, exp_avg_sq and a 4-byte `step`
+    per tensor) and the fp32 gradients that fp32 gradient accumulation keeps. No process group needed."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        half = _trained(stand_in(layers, width, hidden, torch.bfloat16), torch.bfloat16, optimizer=False)
+        full = _trained(stand_in(layers, width, hidden, torch.float32), torch.float32, optimizer=True)
+    return {"fp16 weights": tensor_bytes(half["params"]), "fp16 gradients": tensor_bytes(half["grads"]),
+            "fp32 master weights": tensor_bytes(full["params"]), "Adam state": tensor_bytes(full["state"]),
+            "fp32 gradients": tensor_bytes(full["grads"])}
+
+
+def held_sharded(layers: int, width: int, hidden: int, world_size: int) -> dict[str, int]:
+    """The same parts when `fully_shard` splits them over `world_size` ranks: this rank's shards' bytes.
+
+    Run inside `simulated_world(world_size, rank)`: the fake group tells FSDP which rank this process is."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,))  # outside FakeTensorMode: the mesh reads its rank ids
+    with FakeTensorMode():
+        half = _trained(_shard(stand_in(layers, width, hidden, torch.bfloat16), mesh), torch.bfloat16, False)
+        full = _trained(_shard(stand_in(layers, width, hidden, torch.float32), mesh), torch.float32, True)
+    return {"fp16 weights": tensor_bytes(half["params"]), "fp16 gradients": tensor_bytes(half["grads"]),
+            "fp32 master weights": tensor_bytes(full["params"]), "Adam state": tensor_bytes(full["state"]),
+            "fp32 gradients": tensor_bytes(full["grads"])}
+
+
+# Which parts each ZeRO stage shards (the paper's section 5: P_os, P_os+g, P_os+g+p); the rest is replicated.
+SHARDED_PARTS = {"DP": set(), "ZeRO-1": {"fp32 master weights", "Adam state"},
+                 "ZeRO-2": {"fp32 master weights", "Adam state", "fp16 gradients", "fp32 gradients"},
+                 "ZeRO-3": {"fp32 master weights", "Adam state", "fp16 gradients", "fp32 gradients", "fp16 weights"}}
+
+
+def held_by_stage(layers: int, width: int, hidden: int, world_size: int) -> dict[str, dict[str, int]]:
+    """Bytes one rank holds at each ZeRO stage, part by part, from the tensors torch builds.
+
+    Run inside `simulated_world(world_size, rank)`. Which parts each stage shards is the ZeRO paper's definition;
+    every size is torch's: replicated parts from `held_replicated`, sharded ones from `held_sharded` (FSDP2's
+    shards, the gradients its reduce-scatter left, the moments torch.optim.Adam made for the shards).
+    PyTorch has no ZeRO-1/2 wrapper with this layout, so those two stages are assembled from the two runs: this is
+    the paper's accounting (a separate bf16 copy of weights and gradients) applied to torch's tensor sizes, not the
+    layout any torch setup keeps (autocast and FSDP2's MixedPrecisionPolicy keep fp32 weights and gradients)."""
+    replicated = held_replicated(layers, width, hidden)
+    sharded = held_sharded(layers, width, hidden, world_size)
+    return {stage: {part: (sharded if part in SHARDED_PARTS[stage] else replicated)[part] for part in replicated}
+            for stage in STAGES}
+
+
+def paper_figure_1(n_params: float, world_size: int, k: int = 12) -> dict[str, float]:
+    """The ZeRO paper's Figure 1 formulas, bytes per device:
+    (2+2+K) Psi, 2 Psi + 2 Psi + K Psi / N, 2 Psi + (2+K) Psi / N, (2+2+K) Psi / N."""
+    psi, n = n_params, world_size
+    return {"DP": (2 + 2 + k) * psi, "ZeRO-1": 2 * psi + 2 * psi + k * psi / n,
+            "ZeRO-2": 2 * psi + (2 + k) * psi / n, "ZeRO-3": (2 + 2 + k) * psi / n}
+
+
+def total(parts: dict[str, int], fp32_gradients: bool = False) -> int:
+    """A stage's bytes: the paper's four parts, plus the fp32 gradients when they are accumulated in fp32."""
+    return sum(parts[p] for p in PARTS) + (parts["fp32 gradients"] if fp32_gradients else 0)
+
+
+def relative_error(value: float, reference: float) -> float:
+    return abs(value - reference) / reference if reference else math.inf
+
+
+def zero_redundancy_held(shapes: list[tuple[int, int]], world_size: int, ranks: Any) -> dict[int, dict[str, int]]:
+    """Torch's ZeRO-1, measured: for each rank in `ranks`, build `ZeroRedundancyOptimizer` (Adam) on the fake
+    backend over fp32 parameters of `shapes`, take one step, and read what that rank's optimizer holds:
+    {"params": elements of the parameters it owns, "moment elements": elements of Adam's exp_avg and exp_avg_sq}.
+    Real (small) tensors: the fake group moves no data, so only sizes mean anything."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    held = {}
+    for rank in ranks:
+        with simulated_world(world_size, rank=rank):
+            params = [nn.Parameter(torch.zeros(shape)) for shape in shapes]
+            optimizer = ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.Adam, lr=1e-3)
+            for p in params:
+                p.grad = torch.ones_like(p)
+            optimizer.step()
+            local = optimizer.optim  # the Adam over this rank's partition only
+            owned = [p for group in local.param_groups for p in group["params"]]
+            moments = sum(state[key].numel() for state in local.state.values()
+                          for key in ("exp_avg", "exp_avg_sq") if key in state)
+            held[rank] = {"params": sum(p.numel() for p in owned), "moment elements": moments}
+    return held
+
+
+def twin_record(world_size: int, steps: int = 2, global_batch: int = 4,
+                sequence_parallel: bool = True) -> list[dict[str, Any]]:
+    """helpers.kit.scale.tp_record for `world_size` simulated ranks in this process (fake backend + LocalTensorMode).
+
+    Returns, per step, {"loss": {rank: tensor}, "grads": {name: {rank: tensor}}, "params": {...}}."""
+    from torch.distributed._local_tensor import LocalTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from helpers.kit.scale import tp_record
+    from helpers.kit.transformer import batch
+
+    batches = [batch(step, global_batch) for step in range(steps)]  # outside the mode: one batch for all ranks
+    with simulated_world(world_size), LocalTensorMode(world_size):
+        record = tp_record(init_device_mesh("cpu", (world_size,)), batches, sequence_parallel)
+    return [{"loss": per_rank(entry["loss"], world_size),
+             "outputs": {name: per_rank(t, world_size) for name, t in entry["outputs"].items()},
+             "grads": {name: per_rank(t, world_size) for name, t in entry["grads"].items()},
+             "params": {name: per_rank(t, world_size) for name, t in entry["params"].items()}} for entry in record]
+
+
+def per_rank(tensor: torch.Tensor, world_size: int) -> dict[int, torch.Tensor]:
+    """Each simulated rank's value: a LocalTensor's `_local_tensors[rank]`, or the same plain tensor for all."""
+    held = getattr(tensor, "_local_tensors", None)
+    if held is None:
+        return {rank: tensor for rank in range(world_size)}
+    return {rank: held[rank] for rank in range(world_size)}
+
+
+def compare_twin(twin: list[dict[str, Any]], real_results: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """Every loss, gradient and parameter of every rank and step: torch.equal between the twin and the real run.
+
+    Returns the number of tensors compared, how many differ, and the largest absolute difference."""
+    compared, differing, largest = 0, [], 0.0
+    for step, entry in enumerate(twin):
+        for rank, real in sorted(real_results.items()):
+            pairs = [("loss", entry["loss"][rank], torch.tensor(real["steps"][step]["loss"]))]
+            for kind in ("grads", "params"):
+                pairs += [(f"{kind}/{name}", values[rank], torch.tensor(real["steps"][step][kind][name]))
+                          for name, values in entry[kind].items()]
+            for name, simulated, measured in pairs:
+                simulated = simulated.to(measured.dtype)  # the loss travels as a Python float
+                compared += 1
+                if simulated.shape != measured.shape or not torch.equal(simulated, measured):
+                    differing.append((step, rank, name))
+                    if simulated.shape == measured.shape:
+                        largest = max(largest, float((simulated - measured).abs().max()))
+                    else:
+                        largest = math.inf
+    return {"compared": compared, "differing": differing, "max_abs_diff": largest}
+
+
+# --- traffic: collectives per training step, counted by CommDebugMode under the fake backend --------------------
+
+# FSDP2 calls dist.all_gather_single / dist.reduce_scatter_single (fsdp/_fully_shard/_fsdp_collectives.py:119, :184),
+# which dispatch c10d's _allgather_base_ / _reduce_scatter_base_. DTensor's redistributions call the functional
+# collectives (tensor/placement_types.py:509, :609, :1806). CommDebugMode counts both families.
+_OP_NAMES = {"c10d._allgather_base_": ("dp", "all_gather"), "c10d._reduce_scatter_base_": ("dp", "reduce_scatter"),
+             "c10d_functional.all_gather_into_tensor": ("tp", "all_gather"),
+             "c10d_functional.reduce_scatter_tensor": ("tp", "reduce_scatter"),
+             "c10d_functional.all_reduce": ("tp", "all_reduce")}
+
+
+def model_for(tp: int, blocks: int) -> Any:
+    """Lesson 10's transformer with enough heads for `tp` tensor-parallel ranks (each rank needs whole heads)."""
+    from helpers.kit.transformer import Transformer
+
+    heads = max(4, tp)
+    return Transformer(dim=16 * heads, heads=heads, hidden=64 * heads, blocks=blocks, seed=0)
+
+
+def collective_counts(mesh_shape: tuple[int, int], sequence_parallel: bool = True, blocks: int = 2,
+                      rank: int = 0) -> dict[str, dict[str, int]]:
+    """Collectives of one training step of lesson 10's FSDP x TP layout on a (dp, tp) mesh, seen by `rank`.
+
+    Real (small) tensors on the fake backend: every collective returns at once without moving data, so the values
+    are wrong but every call torch makes is made. The second step is counted (the first also initialises FSDP)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from helpers.kit.transformer import apply_fsdp_tp, batch, make_optimizer, rows, train_step
+
+    dp, tp = mesh_shape
+    # lesson 10's Transformer returns a view from its root FSDP module; FSDP2 warns about in-place ops on it, and
+    # train_step makes none (fsdp/_fully_shard/_fsdp_state.py:448-449)
+    with simulated_world(dp * tp, rank), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp"))
+        model = apply_fsdp_tp(model_for(tp, blocks), mesh, sequence_parallel)
+        optimizer = make_optimizer(model)
+        inputs, targets = batch(0, dp)
+        inputs, targets = rows(inputs, 0, dp), rows(targets, 0, dp)
+        train_step(model, optimizer, inputs, targets)
+        with CommDebugMode() as counter:
+            train_step(model, optimizer, inputs, targets)
+    counts: dict[str, dict[str, int]] = {"dp": {}, "tp": {}}
+    for op, count in counter.get_comm_counts().items():
+        dim, name = _OP_NAMES[str(op)]  # an op not in the table raises KeyError: a torch change to look at
+        counts[dim][name] = counts[dim].get(name, 0) + count
+    return counts
+
+
+def named_counts(comm_counts: dict[str, int]) -> dict[str, int]:
+    """CommDebugMode's {op: count} (op as a string) as {"all_gather": ..., ...}; an unknown op raises KeyError."""
+    named: dict[str, int] = {}
+    for op, count in comm_counts.items():
+        name = _OP_NAMES[str(op)][1]
+        named[name] = named.get(name, 0) + count
+    return dict(sorted(named.items()))
+
+
+def tp_step_counts(world_size: int) -> dict[str, dict[str, int]]:
+    """The twin's layout (lesson 10's TP plan with SP on a 1-D mesh, no FSDP) on the fake backend: the first step's
+    collectives, counted apart for forward + backward and for the optimizer step (CommDebugMode)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from helpers.kit.transformer import Transformer, apply_tp, batch, loss_fn, make_optimizer
+
+    with simulated_world(world_size):
+        model = apply_tp(Transformer(seed=0), init_device_mesh("cpu", (world_size,)), True)
+        optimizer = make_optimizer(model)
+        inputs, targets = batch(0, 4)
+        with CommDebugMode() as passes:
+            loss_fn(model(inputs), targets).backward()
+        with CommDebugMode() as update:
+            optimizer.step()
+    return {"forward+backward": named_counts(passes.get_comm_counts()),
+            "optimizer": named_counts(update.get_comm_counts())}
+
+
+def tp_collectives(blocks: int) -> dict[str, int]:
+    """Our formula for the tensor-parallel collectives of one step of lesson 10's plan with sequence parallelism
+    (helpers.kit.transformer.tp_plan). Without sequence parallelism is the lesson's exercise.
+
+    Each block all-gathers its attention and MLP inputs and reduce-scatters their outputs, forward and again
+    (mirrored) in backward: 4 of each per block; the embedding's output adds a reduce-scatter (forward) and an
+    all-gather (backward), the output layer an all-gather of its input and one of the logits (forward) and a
+    reduce-scatter (backward); each norm weight's gradient is all-reduced (2 per block + 1)."""
+    return {"all_gather": 4 * blocks + 3, "reduce_scatter": 4 * blocks + 2, "all_reduce": 2 * blocks + 1}
+
+
+def fsdp_collectives(blocks: int) -> dict[str, int]:
+    """Our formula for FSDP2's collectives per step, one unit per block plus the root (transformer.apply_fsdp).
+
+    Forward gathers every unit; backward gathers the blocks again (reshard_after_forward=None means True for
+    non-root units and False for the root: fsdp/_fully_shard/_fully_shard.py:180-190); every unit reduce-scatters
+    once."""
+    return {"all_gather": 2 * blocks + 1, "reduce_scatter": blocks + 1}
+
+
+@functools.cache
+def _tp_counts_without_sp_cached(blocks: int) -> tuple[tuple[str, int], ...]:
+    return tuple(sorted(collective_counts((1, 2), sequence_parallel=False, blocks=blocks)["tp"].items()))
+
+
+def _tp_counts_without_sp(blocks: int) -> dict[str, int]:
+    """CommDebugMode's tp counts for lesson 10's plan without sequence parallelism (measured once per block count)."""
+    return dict(_tp_counts_without_sp_cached(blocks))
+
+
+def check_tp_counts_without_sp(tp_counts: Any) -> bool:
+    """The exercise: `tp_counts(blocks)` -> the TP collectives of one step without sequence parallelism."""
+    from helpers.lessons.checks import correct, not_yet
+
+    for blocks in (1, 2, 3):
+        measured = _tp_counts_without_sp(blocks)
+        try:
+            given = dict(tp_counts(blocks))
+            yours = {name: count for name, count in given.items() if count}
+        except Exception as error:
+            return not_yet(f"tp_counts({blocks}) raised {type(error).__name__}: {error}")
+        if yours != measured:
+            return not_yet(f"with {blocks} block(s) torch ran {measured} per step on the tp dimension; "
+                           f"your formula says {given}.")
+    return correct("your formula matches CommDebugMode's counts for 1, 2 and 3 blocks.")
+
+
+# --- the control for the twin: in which order does each backend add up four ranks? ------------------------------
+
+# 2**24 + 1 rounds back to 2**24 in float32, so the sum depends on the order: (((a + b) + c) + d) = 1 in rank order.
+ORDER_PROBE = (2.0**24, 1.0, -(2.0**24), 1.0)
+
+
+def order_probe_twin(world_size: int = 4) -> dict[str, list[float]]:
+    """all_reduce and reduce_scatter of ORDER_PROBE under LocalTensorMode (rank r contributes ORDER_PROBE[r])."""
+    from torch.distributed._local_tensor import LocalTensorMode
+
+    from helpers.kit.scale import order_probe
+
+    with simulated_world(world_size), LocalTensorMode(world_size) as mode:
+        inputs = mode.rank_map(lambda rank: torch.full((world_size,), ORDER_PROBE[rank % len(ORDER_PROBE)]))
+        summed = order_probe(inputs)
+    return {name: [per_rank(t, world_size)[rank].tolist() for rank in range(world_size)] for name, t in summed.items()}
+
+
+# --- the planner: our formulas, checked against the simulations above -------------------------------------------
+
+def plan(n_params: float, dp: int, tp: int = 1, pp: int = 1, microbatches: int = 1, stage: str = "ZeRO-3",
+         fp32_gradients: bool = False, blocks: int = 2, tokens: int = 4096, hidden: int = 4096) -> dict[str, Any]:
+    """Our planner for a dp x tp x pp layout with ZeRO `stage` over dp (formulas, not measurements).
+
+    memory: bytes per rank by part, the ZeRO paper's accounting on the rank's Psi / (tp x pp) parameters (plus fp32
+    gradients, 4 bytes, sharded from ZeRO-2 on, as the Playbook notes). traffic: bytes each rank sends per step on
+    each mesh dimension, ring algorithms ((n-1)/n of the data per all-gather or reduce-scatter, twice that per
+    all-reduce); dp moves bf16 gradients (2 x Psi', an all-reduce) or, at ZeRO-3, bf16 weights twice and gradients
+    once; tp moves the activations (tokens x hidden x 2 bytes per micro-batch) 8 times per block with sequence
+    parallelism; pp sends one activation forward and one gradient back per micro-batch. counts: collectives per
+    step for lesson 10's transformer with `blocks` blocks. bubble: (pp - 1) / (microbatches + pp - 1).
+    """
+    from helpers.lessons.model_parallel import bubble_fraction
+
+    if stage not in STAGES:
+        raise ValueError(f"stage must be one of {STAGES}, not {stage!r}")
+    if min(dp, tp, pp, microbatches) < 1:
+        raise ValueError("dp, tp, pp and microbatches must be at least 1")
+    psi = n_params / (tp * pp)
+    per_param = {"fp16 weights": 2, "fp16 gradients": 2, "fp32 master weights": 4, "Adam state": 8,
+                 "fp32 gradients": 4 if fp32_gradients else 0}
+    memory = {part: psi * size / (dp if part in SHARDED_PARTS[stage] else 1) for part, size in per_param.items()}
+    ring = lambda n: (n - 1) / n  # noqa: E731 - the share of the data each rank sends in a ring
+    dp_passes = 3 if stage == "ZeRO-3" else 2
+    activation = tokens * hidden * 2  # one micro-batch's activations in bf16, bytes
+    traffic = {"dp": dp_passes * ring(dp) * 2 * psi,
+               "tp": 8 * blocks / pp * microbatches * ring(tp) * activation if tp > 1 else 0.0,
+               "pp": 2 * microbatches * activation if pp > 1 else 0.0}
+    counts = {"dp": fsdp_collectives(blocks) if stage == "ZeRO-3" and dp > 1 else {},
+              "tp": tp_collectives(blocks) if tp > 1 else {}}
+    return {"memory": memory, "traffic": traffic, "counts": counts, "bubble": bubble_fraction(pp, microbatches)}
+
+
+def planner_figure(billions: float = 7.5, dp: int = 64, tp: int = 1, pp: int = 1, microbatches: int = 8,
+                   stage: str = "ZeRO-3", fp32_gradients: bool = False) -> Any:
+    """Three panels from `plan`: GB per rank by ZeRO stage, GB sent per rank and step by dimension, and the bubble."""
+    import matplotlib.pyplot as plt
+
+    _, (left, middle, right) = plt.subplots(1, 3, figsize=(12, 3.4), dpi=80, layout="constrained")
+    bottoms = [0.0] * len(STAGES)
+    for part in (*PARTS, "fp32 gradients"):
+        values = [plan(billions * 1e9, dp, tp, pp, microbatches, s, fp32_gradients)["memory"][part] / GB
+                  for s in STAGES]
+        left.bar(STAGES, values, bottom=bottoms, label=part)
+        bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
+    for x, height in enumerate(bottoms):
+        left.text(x, height, f"{height:.3g}", ha="center", va="bottom", fontsize="small")
+    left.set(ylabel="GB per rank", title=f"{billions:g}B params, dp={dp} tp={tp} pp={pp}",
+             ylim=(0, 1.15 * max(bottoms)))
+    left.legend(fontsize="x-small")
+    chosen = plan(billions * 1e9, dp, tp, pp, microbatches, stage, fp32_gradients)
+    sent = [v / GB for v in chosen["traffic"].values()]
+    middle.bar(list(chosen["traffic"]), sent, color="tab:purple")
+    for x, value in enumerate(sent):
+        middle.text(x, value, f"{value:.3g}", ha="center", va="bottom", fontsize="small")
+    # plan's fixed shape (lesson 10's 2 blocks, 4096 tokens x 4096 hidden per micro-batch) whatever the model size:
+    # tp traffic grows with blocks, so it is printed on the panel rather than implied by the parameter count.
+    middle.set(ylabel="GB sent per rank per step",
+               title=f"{stage}: traffic by mesh dimension\n(tp, pp at a fixed 2 blocks, 4096 x 4096 activations)",
+               ylim=(0, 1.15 * max(max(sent), 1e-9)))
+    m = list(range(1, 65))
+    for stages in sorted({2, 4, 8} - {pp}):
+        right.plot(m, [plan(1, 1, 1, stages, k)["bubble"] for k in m], "-", color="lightgrey")
+        right.text(64, plan(1, 1, 1, stages, 64)["bubble"], f"pp={stages}", fontsize="x-small", va="bottom", ha="right")
+    right.plot(m, [plan(1, 1, 1, pp, k)["bubble"] for k in m], "-", color="tab:blue", label=f"pp={pp}")
+    right.plot([microbatches], [chosen["bubble"]], "k*", markersize=12)
+    right.set(xlabel="micro-batches", ylabel="idle share (1F1B)", ylim=(0, 1),
+              title=f"pipeline bubble, pp={pp}, m={microbatches}: {chosen['bubble']:.1%}")
+    right.legend(fontsize="x-small")
+    return left
+
+
+def planner_explorer() -> Any:
+    """Sliders over `planner_figure` (model size, dp, tp, pp, micro-batches, stage, fp32 gradients)."""
+    import ipywidgets as widgets
+    import matplotlib.pyplot as plt
+
+    controls = dict(
+        billions=widgets.FloatLogSlider(value=7.5, base=10, min=-1, max=3, description="params (B)"),
+        dp=widgets.IntSlider(value=64, min=1, max=512, description="dp"),
+        tp=widgets.IntSlider(value=1, min=1, max=8, description="tp"),
+        pp=widgets.IntSlider(value=1, min=1, max=16, description="pp"),
+        microbatches=widgets.IntSlider(value=8, min=1, max=64, description="micro-batches"),
+        stage=widgets.Dropdown(options=list(STAGES), value="ZeRO-3", description="stage"),
+        fp32_gradients=widgets.Checkbox(value=False, description="fp32 gradients"))
+
+    def show(**values: Any) -> None:
+        planner_figure(**values)
+        plt.show()
+
+    rows = [widgets.HBox(list(controls.values())[i:i + 4]) for i in range(0, len(controls), 4)]
+    return widgets.VBox([*rows, widgets.interactive_output(show, controls)])
+
+
+def fsdp_twin_error(world_size: int = 2) -> str:
+    """Run lesson 10's FSDP layout (transformer.apply_fsdp) under LocalTensorMode; return torch's error, or ""."""
+    from torch.distributed._local_tensor import LocalTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from helpers.kit.transformer import Transformer, apply_fsdp, batch, make_optimizer, train_step
+
+    inputs, targets = batch(0, world_size)
+    with simulated_world(world_size), LocalTensorMode(world_size):
+        model = apply_fsdp(Transformer(seed=0), init_device_mesh("cpu", (world_size,)))
+        try:
+            train_step(model, make_optimizer(model), inputs, targets)
+        except RuntimeError as error:
+            return f"{type(error).__name__}: {error}"
+    return ""
+
+
+def wrapper_twin_errors(world_size: int = 2) -> dict[str, str]:
+    """torch's data-parallel wrappers built under LocalTensorMode: the first line of each one's error, or ""."""
+    from torch.distributed._local_tensor import LocalTensorMode
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    builders = {"DistributedDataParallel": lambda model: DistributedDataParallel(model),
+                "ZeroRedundancyOptimizer": lambda model: ZeroRedundancyOptimizer(
+                    model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3)}
+    errors = {}
+    for name, build in builders.items():
+        with simulated_world(world_size), LocalTensorMode(world_size):
+            try:
+                build(nn.Linear(4, 2))
+                errors[name] = ""
+            except (RuntimeError, AttributeError) as error:
+                errors[name] = f"{type(error).__name__}: {str(error).splitlines()[0]}"
+    errors["fully_shard"] = fsdp_twin_error(world_size)
+    return errors
+
+
+def first_differing_output(twin: list[dict[str, Any]], real_results: dict[int, dict[str, Any]],
+                           rank: int = 0) -> tuple[list[str], str | None, float]:
+    """Module outputs of the first forward, in the order they were produced: (names equal before the first that
+    differs, that first name or None, its largest absolute difference)."""
+    equal = []
+    for name, values in twin[0]["outputs"].items():
+        simulated, measured = values[rank], torch.tensor(real_results[rank]["outputs"][name])
+        if simulated.shape != measured.shape or not torch.equal(simulated, measured):
+            largest = float((simulated - measured).abs().max()) if simulated.shape == measured.shape else math.inf
+            return equal, name, largest
+        equal.append(name)
+    return equal, None, 0.0
+
+
+# --- time: this machine's 2-rank step, predicted from measured rates and checked against a real run ------------
+
+def predict_step_seconds(mode: str, *, n_params: int, tensors: int, batch: int, flop_rate: float,
+                         adam_seconds: dict[str, float], latency: float, bandwidth: float,
+                         bucket_bytes: list[int]) -> dict[str, float]:
+    """Our prediction of one training step on 2 ranks, in parts: compute, optimizer, communication (seconds).
+
+    compute: 6 x parameters x rows / FLOP rate (forward 2, backward 4 FLOPs per parameter and row, a multiply-add
+    being 2 FLOPs, for a stack of Linear layers), from one measured matmul. optimizer: the measured Adam step, on
+    all parameters or (ZeRO-1, FSDP) on half. communication, from lesson 01's 2-rank fit t = latency + bytes /
+    bandwidth, with no overlap: DDP all-reduces each of its buckets; ZeRO-1 also broadcasts every parameter tensor
+    from its owner (ZeroRedundancyOptimizer._sync_params,
+    torch/distributed/optim/zero_redundancy_optimizer.py:813-826), each a one-way message (latency / 2 + bytes /
+    bandwidth); FSDP2 all-gathers every layer twice and reduce-scatters it once, each rank sending half (latency / 2
+    + bytes / (2 bandwidth)). "local" is the control with no peer.
+    """
+    model_bytes = 4 * n_params
+    parts = {"compute": 6 * n_params * batch / flop_rate,
+             "optimizer": adam_seconds["full" if mode in ("local", "ddp") else "half"]}
+    all_reduce = sum(latency + size / bandwidth for size in bucket_bytes)
+    communication = {"local": 0.0, "ddp": all_reduce,
+                     "zero1": all_reduce + tensors * latency / 2 + model_bytes / bandwidth,
+                     "fsdp": 3 * (tensors / 2 * latency / 2 + model_bytes / (2 * bandwidth))}
+    if mode not in communication:
+        raise ValueError(f"mode must be one of {sorted(communication)}, not {mode!r}")
+    return {**parts, "communication": communication[mode]}

@@ -1,0 +1,1 @@
+"""Teachers' and maintainers' commands: ``python -m helpers.tools.NAME`` (helpers/README.md lists them)."""

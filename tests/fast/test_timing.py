@@ -1,0 +1,86 @@
+"""The timing protocol (helpers/kit/timing.py): a verdict says "faster" only for a difference the run can show, and
+"not distinguishable" when noise covers it. Real busy loops and sleeps, a few hundred milliseconds in all."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from helpers.kit.timing import (
+    NOT_DISTINGUISHABLE,
+    Timing,
+    across_ranks,
+    fits_within,
+    residual_ratios,
+    take_turns,
+    verdict,
+)
+
+
+def _busy(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_a_real_twofold_difference_is_called_faster():
+    timings = take_turns({"once": lambda: _busy(0.004), "twice": lambda: _busy(0.008)}, rounds=5, warmup=1)
+    found = verdict(timings["twice"], timings["once"])
+    assert found.faster == "once" and found.slower == "twice" and found.ratio > 1.5, found.sentence
+    assert found.sentence.startswith("once is faster than twice")
+
+
+def test_noise_larger_than_the_difference_makes_it_not_distinguishable():
+    """The same twofold difference, with a sleep of 30 ms added to alternate calls of each setting (out of phase):
+    one round of the faster setting is now slower than one of the slower setting, and the verdict must say so."""
+    calls = {"once": 0, "twice": 0}
+
+    def noisy(name: str, seconds: float, phase: int) -> None:
+        calls[name] += 1
+        _busy(seconds)
+        if calls[name] % 2 == phase:
+            time.sleep(0.03)
+
+    timings = take_turns({"once": lambda: noisy("once", 0.004, 0), "twice": lambda: noisy("twice", 0.008, 1)},
+                         rounds=5, warmup=1)
+    found = verdict(timings["once"], timings["twice"])
+    assert not found.distinguishable and NOT_DISTINGUISHABLE in found.sentence, found.sentence
+
+
+def test_cpu_time_is_measured_beside_wall_time():
+    timings = take_turns({"sleep": lambda: time.sleep(0.01), "busy": lambda: _busy(0.01)}, rounds=5)
+    assert timings["sleep"].median("cpu") < 0.003 < 0.007 < timings["busy"].median("cpu")
+    assert min(timings["sleep"].wall) >= 0.0095
+    assert verdict(timings["sleep"], timings["busy"], kind="cpu").faster == "sleep"
+
+
+def test_every_setting_gets_its_rounds_in_a_shuffled_order():
+    order: list[str] = []
+    take_turns({name: (lambda name=name: order.append(name)) for name in "abc"}, rounds=6, warmup=1, repeat=2)
+    rounds = [tuple(order[i:i + 6:2]) for i in range(0, len(order), 6)]
+    assert len(rounds) == 7 and all(sorted(r) == ["a", "b", "c"] for r in rounds)
+    assert len(set(rounds)) > 1  # not the same order every round: a drift of the machine cannot favour one setting
+
+
+def test_fewer_than_five_rounds_is_refused():
+    with pytest.raises(ValueError, match="at least 5"):
+        take_turns({"a": lambda: None}, rounds=3)
+
+
+def test_spreads_that_touch_are_not_a_verdict():
+    a, b = Timing("a", [1.0, 2.0, 3.0, 4.0, 5.0]), Timing("b", [5.0, 6.0, 7.0, 8.0, 9.0])
+    assert not verdict(a, b).distinguishable
+    assert verdict(a, Timing("c", [5.1, 6, 7, 8, 9])).faster == "a"
+
+
+def test_across_ranks_takes_the_slowest_rank_of_each_round():
+    ranks = [{"x": Timing("x", [1, 5, 1, 1, 1], [1, 1, 1, 1, 1]).as_dict()},
+             {"x": Timing("x", [2, 1, 2, 2, 2], [2, 2, 2, 2, 2]).as_dict()}]
+    merged = across_ranks(ranks)["x"]
+    assert merged.wall == [2, 5, 2, 2, 2] and merged.cpu == [3, 3, 3, 3, 3]
+
+
+def test_a_fitted_model_is_trusted_only_where_its_residuals_are_small():
+    ratios = residual_ratios([1.0, 2.2, 6.0], [1.0, 2.0, 4.0])
+    assert ratios == pytest.approx([1.0, 1.1, 1.5])
+    assert fits_within(ratios[:2]) and not fits_within(ratios)
