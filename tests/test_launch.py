@@ -412,3 +412,21 @@ def test_debug_names_mismatched_collectives():
         launch(WORKERS / "mismatched_collective.py", nproc=2, debug=True, timeout=60, echo=False)
     assert "Detected mismatch between collectives on ranks" in str(caught.value)
     assert "Tensor shapes: 3vs 4" in str(caught.value) or "Tensor shapes: 4vs 3" in str(caught.value)
+
+
+def test_a_collective_size_mismatch_names_the_line_and_says_what_it_means():
+    """gloo aborts the receiving process from C++ (no Python traceback): faulthandler's stacks name the line."""
+    with pytest.raises(WorkerFailed) as caught:
+        launch(WORKERS / "size_mismatch.py", nproc=2, echo=False, timeout=60)
+    failure = caught.value
+    assert failure.where == "size_mismatch.py:7 (in <module>)", str(failure)
+    assert "different sizes" in failure.meaning and "enforce fail" in failure.error
+    assert "where: size_mismatch.py:7" in str(failure)
+
+
+def test_a_segfault_names_the_line_that_crashed():
+    with pytest.raises(WorkerFailed) as caught:
+        launch(WORKERS / "segfault.py", nproc=2, echo=False, timeout=60)
+    failure = caught.value
+    assert failure.rank == 1 and failure.where == "segfault.py:9 (in <module>)", str(failure)
+    assert "Segmentation fault" in failure.error

@@ -51,12 +51,16 @@ class _ShortTraceback:
 
 
 class WorkerFailed(_ShortTraceback, RuntimeError):
-    """A rank failed. The message names the rank, its exit code, its traceback and the log folder."""
+    """A rank failed. The message names the rank, its exit code, its traceback and the log folder; `.where` is the
+    learner's own line that failed ("train.py:12 (in main)"), `.error` the exception's (or the C++ check's) line,
+    `.meaning` what a C++ check from a collective means, each None when unknown."""
 
     def __init__(self, message: str, rank: int | None = None, exitcode: int | None = None,
-                 run: Run | None = None):
+                 run: Run | None = None, where: str | None = None, error: str | None = None,
+                 meaning: str | None = None):
         super().__init__(message)
         self.rank, self.exitcode, self.run = rank, exitcode, run
+        self.where, self.error, self.meaning = where, error, meaning
 
 
 class LaunchTimeout(WorkerFailed, TimeoutError):
@@ -323,9 +327,10 @@ def wait(jobs: list[Job], timeout: float | None = None) -> list[Run]:
                            f"stopped. Run the cell again (a new server starts). Logs: {runs[0].log_dir}/")
     if any(job.agent.code != 0 for job in jobs):
         found = diagnosis.diagnose_failure([job.record(run) for job, run in zip(jobs, runs, strict=True)],
-                                            (str(Path.cwd()), str(REPO_ROOT)))
+                                            (str(Path.cwd()), str(REPO_ROOT)), _LIBRARY_DIRS)
         run = next(run for job, run in zip(jobs, runs, strict=True) if job.folder.node == found.node)
-        raise WorkerFailed(found.message, rank=found.rank, exitcode=found.exitcode, run=run)
+        raise WorkerFailed(found.message, rank=found.rank, exitcode=found.exitcode, run=run, where=found.where,
+                           error=found.error, meaning=found.meaning)
     return runs
 
 

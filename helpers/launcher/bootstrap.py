@@ -79,6 +79,9 @@ def run_script(script: str, *args: str, forked: bool = False) -> None:
         sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     if "torch.distributed" in sys.modules:
         sys.modules["torch.distributed"].set_debug_level_from_env()
+    # A rank killed by a C++ abort (gloo's size checks) or a segfault has no Python traceback: faulthandler writes
+    # every thread's Python stack to its log instead, so the launcher can name the learner's line.
+    faulthandler.enable(file=sys.stderr, all_threads=True)
     run_dir = os.environ.get("HELPERS_RUN_DIR")
     me = run_files.identity()
     if run_dir:

@@ -40,6 +40,69 @@ class Diagnosis:
     rank: int | None = None
     exitcode: int | None = None
     node: int = 0
+    where: str | None = None  # the learner's own line that failed: "my_zero.py:31 (in step)"
+    error: str | None = None  # the exception's last line, or the C++ check that stopped the process
+    meaning: str | None = None  # what a C++ check from a collective means, in a sentence
+
+
+# C++ checks that stop a rank inside a collective, as gloo and c10d word them, and what each means for the learner.
+MEANINGS: list[tuple[re.Pattern, str]] = [
+    (re.compile(r"op\.preamble\.length <= op\.nbytes\. (\d+) vs (\d+)"),
+     "a peer sent this rank {0} bytes where it expected at most {1}: the ranks passed tensors of different sizes to "
+     "the same collective (every rank must pass the same shape; the shards of a flat tensor are equal only when it is "
+     "padded to a multiple of the world size)"),
+    (re.compile(r"invalid tensor size at index \d+ \(expected \(([\d, ]+)\), got \(([\d, ]+)\)\)"),
+     "the ranks passed tensors of different shapes to the same collective (expected {0}, got {1}): every rank must "
+     "pass the same shape"),
+    (re.compile(r"Detected mismatch between collectives on ranks"),
+     "the ranks called different collectives (or the same one with other shapes or dtypes) at the same point"),
+    (re.compile(r"Timed out waiting \d+ms for recv operation to complete|Wait timeout|timed out", re.I),
+     "a collective waited past the process group's timeout: another rank never joined it"),
+    (re.compile(r"Connection (closed|reset) by peer"),
+     "another rank left (it exited or crashed) while this one waited for it in a collective"),
+]
+# The line that says why C++ stopped a process, most telling first.
+_CPP_CHECKS = [re.compile(r"enforce fail at [^\n]*"), re.compile(r"ProcessGroup\w+::\w+: [^\n]*"),
+               re.compile(r"terminate called[^\n]*")]
+_TRACEBACK_FRAME = re.compile(r'^  File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)', re.M)
+
+
+def meaning_of(text: str) -> str | None:
+    """What the first C++ check or collective error found in `text` means, or None."""
+    for pattern, sentence in MEANINGS:
+        found = pattern.search(text)
+        if found:
+            return sentence.format(*found.groups())
+    return None
+
+
+def learner_frame(frames: list[Frame], library_dirs: tuple[str, ...] = ()) -> str | None:
+    """The innermost frame that is the learner's (not Python's, torch's, or the course's launcher or kit), as
+    'file.py:line (in function)'; frames are innermost first."""
+    for file, line, func in frames:
+        if not _is_library(file, library_dirs):
+            return f"{os.path.basename(file)}:{line} (in {func})"
+    return None
+
+
+def crash_site(traceback_text: str | None, log_text: str, library_dirs: tuple[str, ...] = ()) -> tuple[
+        str | None, str | None]:
+    """(the learner's line, the error's line) of a failed rank: from its Python traceback, or, when a signal killed
+    it (a C++ abort or a segfault), from the stacks faulthandler wrote into its log."""
+    if traceback_text:
+        frames = [(m["file"], int(m["line"]), m["func"]) for m in _TRACEBACK_FRAME.finditer(traceback_text)]
+        lines = [line for line in traceback_text.rstrip().splitlines() if line and not line.startswith(" ")]
+        return learner_frame(frames[::-1], library_dirs), (lines[-1] if lines else None)
+    fatal = log_text.rfind("Fatal Python error:")
+    check = next((found[0] for found in (pattern.search(log_text) for pattern in _CPP_CHECKS) if found), None)
+    error = check or (log_text[fatal:].splitlines()[0] if fatal >= 0 else None)
+    if fatal < 0:
+        return None, error
+    for thread in parse_stacks(log_text[fatal:]):
+        place = learner_frame(thread, library_dirs)
+        if place:
+            return place, error
+    return None, error
 
 
 def root_cause(failures: dict[int, dict], tracebacks: dict[int, dict], ranks: set[int]) -> int:
@@ -83,7 +146,8 @@ def last_lines(text: str, count: int = 15) -> str:
     return "\n".join(lines[-count:]) if lines else "(no output)"
 
 
-def diagnose_failure(nodes: list[NodeRecord], bases: tuple[str, ...] = ()) -> Diagnosis:
+def diagnose_failure(nodes: list[NodeRecord], bases: tuple[str, ...] = (),
+                     library_dirs: tuple[str, ...] = ()) -> Diagnosis:
     """The first failure across every node of a job (ranks are global, so their records merge).
 
     A rank's own error beats an agent's: once one node fails, the launcher stops the others, and an
@@ -112,11 +176,16 @@ def diagnose_failure(nodes: list[NodeRecord], bases: tuple[str, ...] = ()) -> Di
     else:
         code, how = None, "no Python error (killed by a signal, or it left while its peers still waited)"
     record = tracebacks.get(rank)
-    body = clean_traceback(record["traceback"], bases) if record else last_lines(home.logs.get(rank, ""))
+    log = home.logs.get(rank, "")
+    body = clean_traceback(record["traceback"], bases) if record else last_lines(log)
     title = "traceback" if record else "last lines of output"
-    return Diagnosis(f"rank {rank} failed first, with {how}; no other rank is left running.\n"
+    where, error = crash_site(record["traceback"] if record else None, log, library_dirs)
+    meaning = meaning_of(record["traceback"] if record else log)
+    said = "".join([f"\n  where: {where}" if where else "", f"\n  what it means: {meaning}" if meaning else ""])
+    return Diagnosis(f"rank {rank} failed first, with {how}; no other rank is left running.{said}\n"
                      f"--- {title} from rank {rank} ---\n{body.rstrip()}\n"
-                     f"--- logs of every rank: {home.log_dir}/ ---", rank=rank, exitcode=code, node=home.node)
+                     f"--- logs of every rank: {home.log_dir}/ ---", rank=rank, exitcode=code, node=home.node,
+                     where=where, error=error, meaning=meaning)
 
 
 # ---------------------------------------------------------------------------- hangs

@@ -28,3 +28,27 @@ def announce_run(script_name: str, nproc: int, timeout: float, stop_after: float
 def each_rank(where: dict[int, str]) -> str:
     """A timeout's 'where each rank was', one rank per line, as the launcher's own Stop message lists them."""
     return "".join(f"\n  rank {rank}: {line}" for rank, line in sorted(where.items())) or " unknown"
+
+
+def explain_crash(error: BaseException, what: str = "the check") -> str:
+    """A failed launch in one paragraph a learner can act on: which rank failed, the error, the learner's own
+    file:line, what a C++ check from a collective means, and the run folder to open. For a hang (LaunchTimeout):
+    where each rank was waiting."""
+    run = getattr(error, "run", None)
+    folder = f" Everything each rank printed is in {run.log_dir}/ (rank<N>.log)." if run is not None else ""
+    where_by_rank = getattr(error, "where", None)
+    if isinstance(where_by_rank, dict):  # a timeout or an interrupt: no rank failed, each one waited somewhere
+        return f"{what} did not finish; where each rank was:{each_rank(where_by_rank)}.{folder}"
+    rank, code = getattr(error, "rank", None), getattr(error, "exitcode", None)
+    text = (getattr(error, "error", None) or str(error).splitlines()[0]).rstrip(".: ")
+    if rank is None:  # no rank failed: the agent itself, or a launch that could not start
+        return f"{what} failed: {text}.{folder}"
+    how = f" (exit code {code}: killed by a signal, so no Python traceback)" if code is not None and code < 0 else ""
+    place = f" at {error.where}" if getattr(error, "where", None) else ""
+    meaning = f" What it means: {error.meaning}." if getattr(error, "meaning", None) else ""
+    return f"{what} crashed on rank {rank}{place}{how}: {text}.{meaning}{folder}"
+
+
+def not_yet_crashed(error: BaseException, what: str = "the check") -> bool:
+    """`not_yet` with explain_crash's paragraph: the one message every exercise check prints when a launch fails."""
+    return not_yet(explain_crash(error, what))

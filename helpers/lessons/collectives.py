@@ -20,7 +20,7 @@ import numpy as np
 from matplotlib.patches import Rectangle
 
 from helpers.launcher.api import LaunchTimeout, Run, WorkerFailed, launch
-from helpers.lessons.checks import announce_run, correct, each_rank, not_yet
+from helpers.lessons.checks import announce_run, correct, each_rank, not_yet, not_yet_crashed
 
 RANK_COLOURS = plt.get_cmap("tab10").colors
 COMBINED_COLOUR = "0.75"  # a number made by adding several ranks' numbers
@@ -225,10 +225,7 @@ def check_all_gather(script: str | Path, nproc: int = 3, timeout: float = 60) ->
                        f"Next time, press Stop (■) as soon as it seems stuck: the launcher says the same at once. "
                        f"Where each rank was:{each_rank(error.where)}")
     except WorkerFailed as error:
-        # the exception's own line, not the rank number: which rank fails first varies between runs
-        raised = [line.strip() for line in str(error).splitlines()
-                  if re.match(r"\w+(Error|Exception)\b", line)]
-        return not_yet(f"the script failed with {raised[-1] if raised else 'an error (see the logs)'}")
+        return not_yet_crashed(error, f"{Path(script).name}")
     expected = [[10.0 * rank + i for i in range(3)] for rank in range(nproc)]
     for rank in range(nproc):
         got: Any = run.results.get(rank, {}).get("gathered")

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from helpers.kit import WORKERS
-from helpers.lessons.checks import correct, not_yet
+from helpers.lessons.checks import correct, not_yet, not_yet_crashed
 
 # torch's op names for each collective: FSDP2 calls c10d (dist.all_gather_into_tensor and friends),
 # DTensor calls the functional collectives (torch.distributed._functional_collectives).
@@ -235,8 +235,7 @@ def check_mlp_plan(plan_file: str | os.PathLike, timeout: float = 60) -> bool:
     except LaunchTimeout:
         return not_yet(f"the check was still running after {timeout:g} s.")
     except WorkerFailed as error:
-        raised = [line.strip() for line in str(error).splitlines() if "Error" in line]
-        return not_yet(f"the plan file failed to run: {raised[-1] if raised else 'see the logs'}")
+        return not_yet_crashed(error, f"the check of {Path(plan_file).name}")
     return judge_plan(run.results)
 
 

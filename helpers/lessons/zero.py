@@ -17,7 +17,7 @@ from typing import Any
 from helpers import LaunchTimeout, WorkerFailed, launch
 from helpers.kit import WORKERS
 from helpers.kit.zero import shard_size
-from helpers.lessons.checks import correct, not_yet
+from helpers.lessons.checks import correct, not_yet, not_yet_crashed
 
 STAGES = ("bucketed", "zero1", "zero2", "zero3")
 TOLERANCE = 1e-6
@@ -278,8 +278,7 @@ def check_step(stage: str, script: str | Path, timeout: float = 120, nproc: int 
     except LaunchTimeout:
         return Checked(not_yet(f"still running after {timeout:g} s: a collective that one rank never joins?"), None)
     except WorkerFailed as error:
-        raised = [line.strip() for line in str(error).splitlines() if re.match(r"\w+(Error|Exception)\b", line)]
-        return Checked(not_yet(f"the check failed with {raised[-1] if raised else 'an error (see the logs)'}"), None)
+        return Checked(not_yet_crashed(error, f"the {stage} check of {Path(script).name}"), None)
     checked = Checked(check_results(stage, run.results), run.results, str(Path(script).resolve()))
     if checked and keep is not None:
         keep[stage] = checked

@@ -8,8 +8,10 @@ import pytest
 from helpers.launcher.diagnosis import (
     NodeRecord,
     clean_traceback,
+    crash_site,
     diagnose_failure,
     hang_message,
+    meaning_of,
     parse_stacks,
     root_cause,
     where,
@@ -193,3 +195,63 @@ def test_hang_message_lists_every_rank():
     text = hang_message("timed out after 3 s", places, {0: "a\nb\n", 1: ""}, "runs/x")
     assert "  rank 0: waiting in dist.all_reduce at t.py:4\n  rank 1: in time.sleep at t.py:6" in text
     assert "[rank 0] b" in text and "[rank 1] (no output)" in text and "runs/x/stacks/" in text
+
+
+# ---------------------------------------------------------------------------- where a crash happened, and what it means
+
+ABORT_LOG = """step 1
+terminate called after throwing an instance of 'gloo::EnforceNotMet'
+  what():  [enforce fail at /pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:464] \
+op.preamble.length <= op.nbytes. 12 vs 8. Received data size doesn't match expected size.
+Fatal Python error: Aborted
+
+Thread 0x00007f0000000001 (most recent call first):
+  File "/py/lib/python3.11/threading.py", line 324 in wait
+Current thread 0x00007f0000000002 (most recent call first):
+  File "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", line 3913 in all_reduce
+  File "/repo/helpers/kit/distributed.py", line 60 in all_reduce_mean
+  File "/repo/notebooks/my_zero.py", line 31 in step
+  File "/repo/helpers/workers/zero_check.py", line 80 in main
+  File "/repo/helpers/launcher/bootstrap.py", line 99 in run_script
+"""
+
+
+def test_a_crash_is_placed_at_the_learners_line_from_the_traceback():
+    text = ('Traceback (most recent call last):\n'
+            '  File "/repo/helpers/launcher/bootstrap.py", line 99, in run_script\n    runpy.run_path(script)\n'
+            '  File "/repo/helpers/workers/zero_check.py", line 80, in main\n    impl.step()\n'
+            '  File "/repo/notebooks/my_zero.py", line 31, in step\n    shard = flat[r]\n'
+            '  File "/repo/helpers/kit/zero.py", line 12, in padded_flat\n    raise ValueError("no")\n'
+            'ValueError: no\n')
+    assert crash_site(text, "", ("/py/lib",)) == ("my_zero.py:31 (in step)", "ValueError: no")
+
+
+def test_a_rank_killed_by_an_abort_is_placed_from_faulthandlers_stacks():
+    where, error = crash_site(None, ABORT_LOG, ("/py/lib",))
+    assert where == "my_zero.py:31 (in step)"
+    assert error.startswith("enforce fail at") and "12 vs 8" in error
+    assert crash_site(None, "just output\n") == (None, None)
+
+
+@pytest.mark.parametrize("text, words", [
+    (ABORT_LOG, "a peer sent this rank 12 bytes where it expected at most 8"),
+    ("RuntimeError: ProcessGroupGloo::allgather: invalid tensor size at index 0 (expected (8), got (9))",
+     "different shapes to the same collective (expected 8, got 9)"),
+    ("RuntimeError: Detected mismatch between collectives on ranks. Rank 0 is running collective: ...",
+     "called different collectives"),
+    ("RuntimeError: [../gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:38323",
+     "another rank left"),
+    ("ValueError: my own bug", None),
+])
+def test_what_a_collectives_error_means(text, words):
+    meaning = meaning_of(text)
+    assert (meaning is None) if words is None else (words in meaning), meaning
+
+
+def test_the_failure_message_leads_with_where_and_what_it_means():
+    node = NodeRecord(agent_code=1, outcome={"failures": {"1": {"exitcode": -6, "signal": "SIGABRT", "timestamp": 1}}},
+                      tracebacks={}, ranks={0, 1}, logs={1: ABORT_LOG}, log_dir="runs/x")
+    found = diagnose_failure([node], library_dirs=("/py/lib",))
+    assert found.rank == 1 and found.where == "my_zero.py:31 (in step)" and "12 vs 8" in found.error
+    head = found.message.splitlines()[:3]
+    assert head[1] == "  where: my_zero.py:31 (in step)" and head[2].startswith("  what it means: a peer sent")
