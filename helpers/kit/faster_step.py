@@ -6,8 +6,9 @@
   an nn.Sequential: torch.compile compiles a module's forward that lives in your own file, and the lesson counts
   the graphs it makes per block.
 - `prepare_compile()`: before the first torch.compile in a process: one compile thread
-  (TORCHINDUCTOR_COMPILE_THREADS=1, so a learner's memory stays in budget), the compile caches in a fresh temporary
-  folder (never the repository; removed when the process ends), and a C++ compiler, which inductor needs on a CPU.
+  (TORCHINDUCTOR_COMPILE_THREADS=1, so a learner's memory stays in budget), the compile caches in a temporary
+  folder of this launch, shared by its ranks (never the repository; removed when the process ends), and a C++
+  compiler, which inductor needs on a CPU.
   Without one it says so in one sentence (`NoCompiler`), instead of torch's error deep inside the first step.
 - `GraphCounter`: a torch.compile backend that records each graph dynamo hands it (parameters, operations,
   collectives) and then runs torch's own backend on it ("aot_eager" by default, "inductor" for real code).
@@ -18,9 +19,13 @@
 No `from __future__ import annotations` here: DDP checks a comm hook's return annotation when it is registered.
 """
 import atexit
+import contextlib
+import gc
+import itertools
 import os
 import shutil
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -58,7 +63,7 @@ class StepModel(nn.Module):
     def __init__(self, width: int, depth: int) -> None:
         super().__init__()
         widths = [28 * 28] + [width] * depth
-        self.blocks = nn.ModuleList(Block(a, b) for a, b in zip(widths, widths[1:], strict=False))
+        self.blocks = nn.ModuleList(Block(a, b) for a, b in itertools.pairwise(widths))
         self.head = nn.Linear(width, 10)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
@@ -98,10 +103,13 @@ def require_cxx() -> str:
 
 
 def prepare_compile(need_cxx: bool = True) -> str:
-    """One compile thread, caches in a fresh temporary folder removed at exit; returns that folder. With need_cxx,
-    raise NoCompiler when inductor could not compile here."""
+    """One compile thread; the compile caches in a temporary folder of this launch, the same for every rank (so that
+    a rank can read what another compiled) and removed at exit; returns that folder. With need_cxx, raise
+    NoCompiler when inductor could not compile here."""
     os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
-    cache = tempfile.mkdtemp(prefix="lesson13-compile-cache-")
+    launch_id = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT") or str(os.getpid())
+    cache = os.path.join(tempfile.gettempdir(), f"lesson13-compile-cache-{launch_id}")
+    os.makedirs(cache, exist_ok=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
     atexit.register(shutil.rmtree, cache, ignore_errors=True)
     import torch._inductor.config as inductor_config
@@ -109,6 +117,27 @@ def prepare_compile(need_cxx: bool = True) -> str:
     if need_cxx:
         require_cxx()
     return cache
+
+
+@contextlib.contextmanager
+def still_working(what: str, every: float = 4.0, enabled: bool = True):
+    """Print `what` at once, then "<what>: still working after N s" every `every` seconds until the block ends (a
+    compile can take half a minute without a word of its own). enabled=False: silent (the other ranks)."""
+    started, done = time.monotonic(), threading.Event()
+    if enabled:
+        print(what, flush=True)
+
+    def tick() -> None:
+        while enabled and not done.wait(every):
+            print(f"{what}: still working after {time.monotonic() - started:.0f} s", flush=True)
+
+    ticker = threading.Thread(target=tick, daemon=True)
+    ticker.start()
+    try:
+        yield
+    finally:
+        done.set()
+        ticker.join()
 
 
 class GraphCounter:
@@ -159,6 +188,20 @@ def timeline_hook(state: HookTimeline, bucket: dist.GradBucket) -> torch.futures
     future = default_hooks.allreduce_hook(None, bucket)
     span["returned"] = time.perf_counter()
     return future.then(completed)
+
+
+def release(*holders: Any) -> None:
+    """Before destroy_process_group: drop DDP models with comm hooks (and whatever holds them), collect them on the
+    main thread, and let gloo's threads finish a barrier, so that they let go of the callbacks of past all-reduces
+    (PowerSGD's hold the process group). Otherwise the last reference to the process group can go on one of gloo's
+    own threads, whose destructor then joins itself, and the process aborts at exit ("Resource deadlock
+    avoided")."""
+    for holder in holders:
+        holder.clear()
+    gc.collect()
+    for _ in range(2):
+        dist.barrier()
+    gc.collect()
 
 
 def flat_grad(model: nn.Module) -> torch.Tensor:

@@ -51,8 +51,7 @@ def hook_bytes(setting: str, shapes: list[list[int]]) -> int:
         return FLOAT32_BYTES * values
     if setting in ("fp16", "bf16"):
         return HALF_BYTES * values
-    rank = int(setting.rsplit(" ", 1)[-1])
-    return FLOAT32_BYTES * sum(powersgd_split(shapes, rank).values())
+    return FLOAT32_BYTES * sum(powersgd_split(shapes, int(setting.split("r=")[-1])).values())
 
 
 def counted_bytes(collectives: list[dict]) -> int:
@@ -88,9 +87,38 @@ def hooks_table(run_results: dict[int, dict]) -> dict[str, dict[str, Any]]:
     return rows
 
 
+def powersgd_values_per_step(run_results: dict[int, dict]) -> dict[str, float]:
+    """PowerSGD's own account (PowerSGDState.compression_stats: values before and after compression, summed over every
+    compressed step of the run) turned into values all-reduced per step: after x (values per step / before)."""
+    first = run_results[0]
+    values = sum(math.prod(shape) for shape in first["shapes"])
+    return {name: after * values / before for name, (_, before, after) in first["powersgd_stats"].items()}
+
+
 def hook_timings(run_results: dict[int, dict]) -> dict[str, Timing]:
     """The hooks' step times, each round as slow as its slowest rank."""
     return across_ranks(run_results[rank]["timings"] for rank in sorted(run_results))
+
+
+def hooks_figure(run_results: dict[int, dict]) -> Any:
+    """Three panels from rank 0's record: bytes handed to all_reduce per step (log scale), the gradient error per step
+    (log scale; the uncompressed all-reduce's is 0 and is left out), and the loss per step."""
+    import matplotlib.pyplot as plt
+    record = run_results[0]["record"]
+    _, axes = plt.subplots(1, 3, figsize=(11, 3.3), dpi=80, layout="constrained")
+    for index, (name, steps) in enumerate(record.items()):
+        style = {"color": f"C{index}", "label": name, "marker": "." if name.startswith("PowerSGD") else None}
+        axes[0].plot([counted_bytes(c) for c in steps["collectives"]], **style)
+        if max(steps["error"]) > 0:
+            axes[1].plot(range(len(steps["error"])), [e if e > 0 else float("nan") for e in steps["error"]], **style)
+        axes[2].plot(steps["loss"], **style)
+    axes[0].set(yscale="log", xlabel="step", ylabel="bytes", title="bytes handed to all_reduce per step")
+    axes[1].set(yscale="log", xlabel="step", ylabel="||g - exact|| / ||exact||", title="gradient error")
+    axes[2].set(xlabel="step", ylabel="cross-entropy", title="loss (rank 0's batch)")
+    axes[2].legend(fontsize=7)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    return axes
 
 
 # ------------------------------------------------------------------ the exercise: a compression hook of your own
@@ -221,3 +249,207 @@ def _traffic_problem(step: int, record: dict) -> str | None:
 
 def read_json(path: str | Path) -> Any:
     return json.loads(Path(path).read_text())
+
+
+# ------------------------------------------------------------------ sections 2-3: torch.compile with DDP and FSDP2
+
+def split_table(compile_results: dict) -> list[dict[str, Any]]:
+    """Per bucket setting: the parameter bytes of each graph dynamo made, torch's own log line, and the buckets DDP's
+    reducer all-reduced in the same compiled run (its last step)."""
+    rows = []
+    for setting, split in compile_results["splits"].items():
+        log = split["torch_log"][0] if split["torch_log"] else ""
+        rows.append({"setting": setting, "graphs": [g["parameter_bytes"] for g in split["graphs"]],
+                     "torch_says": log.split(". Enable")[0], "ddp_buckets": split["ddp_buckets"]})
+    return rows
+
+
+def print_split_table(compile_results: dict) -> None:
+    for row in split_table(compile_results):
+        print(f"{row['setting']:<31} {len(row['graphs'])} graphs, parameter bytes per graph {row['graphs']}\n"
+              f"{'':<31} torch's log: {row['torch_says']!r}\n"
+              f"{'':<31} DDP's reducer all-reduced buckets of {row['ddp_buckets']} bytes")
+
+
+def split_figure(compile_results: dict) -> Any:
+    """One row per bucket setting: the model's parameters (front to back) cut into the graphs dynamo compiled."""
+    import matplotlib.pyplot as plt
+    rows = split_table(compile_results)
+    _, ax = plt.subplots(figsize=(8, 0.7 + 0.6 * len(rows)), dpi=80, layout="constrained")
+    for y, row in enumerate(rows):
+        left = 0.0
+        for index, size in enumerate(row["graphs"]):
+            ax.barh(y, size / 2**20, left=left, color=f"C{index}", edgecolor="white")
+            ax.text(left + size / 2**21, y, f"graph {index + 1}", ha="center", va="center", fontsize=8, color="white")
+            left += size / 2**20
+    ax.set(yticks=range(len(rows)), yticklabels=[f"bucket_cap_mb: {r['setting']}" for r in rows],
+           xlabel="MiB of parameters, first layer on the left", title="The graphs torch.compile made of the DDP model")
+    ax.invert_yaxis()
+    return ax
+
+
+def fsdp_table(fsdp_results: dict) -> None:
+    """Per way of running FSDP2: graphs compiled, collectives of the last step, difference from eager."""
+    for how, run in fsdp_results["runs"].items():
+        last = run["steps"][-1]
+        ops = {}
+        for event in last:
+            ops[event["op"]] = ops.get(event["op"], 0) + 1
+        graphs = [g["parameter_bytes"] for g in run["graphs"]]
+        print(f"{how:<22} graphs {len(graphs)} (parameter bytes {graphs}); last step: "
+              f"{', '.join(f'{n} x {op}' for op, n in sorted(ops.items()))}, {sum(e['bytes'] for e in last):,} "
+              f"bytes; gradient shards differ from eager by {run['max_difference']:.1g}")
+
+
+# ------------------------------------------------------------------ section 4: the profiler's timeline
+
+def _kind(name: str) -> str | None:
+    """Lesson 03's three rows, by the profiler's event names (helpers/workers/dp_vs_ddp_overlap.py, kind_of)."""
+    if name.startswith("autograd::engine::evaluate_function"):
+        return "backward"
+    if name == "c10d::allreduce_":
+        return "all-reduce issued"
+    if name.startswith("gloo:all_reduce"):
+        return "all-reduce running"
+    return None
+
+
+def trace_steps(path: str | Path, setting: str) -> list[list[dict]]:
+    """The events of each step of `setting` in a Chrome trace that torch.profiler exported, in lesson 03's form:
+    kind, thread, start_us and end_us from the start of that step's first backward op. A running all-reduce
+    belongs to the step it started in (its wait may end after the step's mark)."""
+    events = [e for e in read_json(path)["traceEvents"] if e.get("ph") == "X"]
+    marks = sorted((e for e in events if e["name"] == f"{setting} step"), key=lambda e: e["ts"])
+    steps = []
+    for mark in marks:
+        begin, end = mark["ts"], mark["ts"] + mark["dur"]
+        found = [{"name": e["name"], "kind": _kind(e["name"]), "thread": e["tid"], "start_us": e["ts"],
+                  "end_us": e["ts"] + e["dur"]} for e in events if _kind(e["name"]) and begin <= e["ts"] <= end]
+        first = min(e["start_us"] for e in found if e["kind"] == "backward")
+        for e in found:
+            e["start_us"], e["end_us"] = e["start_us"] - first, e["end_us"] - first
+        steps.append(sorted(found, key=lambda e: e["start_us"]))
+    return steps
+
+
+def hook_events(hook_step: dict) -> list[dict]:
+    """One step as our comm hook saw it, in the same form: compute from the backward call to the last bucket's hook
+    call (its gradients are the last ones), each bucket issued while the hook ran, and running from the hook's return
+    to the moment its future completed (which needs the GIL: a Python callback runs it)."""
+    zero = hook_step["backward_called"]
+
+    def us(seconds: float) -> float:
+        return (seconds - zero) * 1e6
+
+    buckets = hook_step["buckets"]
+    events = [{"kind": "backward", "start_us": 0.0, "end_us": us(max(b["called"] for b in buckets))}]
+    for bucket in buckets:
+        events.append({"kind": "all-reduce issued", "start_us": us(bucket["called"]), "end_us": us(bucket["returned"])})
+        events.append({"kind": "all-reduce running", "start_us": us(bucket["returned"]),
+                       "end_us": us(bucket["completed"])})
+    return events
+
+
+def overlaps(profile_results: dict) -> dict[str, list[dict[str, float]]]:
+    """Lesson 03's measure (helpers.lessons.dp_vs_ddp.overlap) on three sources of the same launch: the trace's plain
+    steps (lesson 03's setting), the trace's hooked steps, and our hook's record of those hooked steps."""
+    from helpers.lessons.dp_vs_ddp import overlap  # imports torch: only when this section runs
+    trace = profile_results["trace"]
+    return {"profiler, plain steps (lesson 03's setting)": [overlap(s) for s in trace_steps(trace, "plain")],
+            "profiler, hooked steps": [overlap(s) for s in trace_steps(trace, "hooked")],
+            "our hook, the same hooked steps": [overlap(hook_events(s)) for s in profile_results["hook_steps"]]}
+
+
+def timeline_figure(profile_results: dict, step: int) -> Any:
+    """One hooked step drawn twice: from torch's events in the trace file, and from our hook's timestamps."""
+    import matplotlib.pyplot as plt
+
+    from helpers.lessons.dp_vs_ddp import subtract
+    traced = trace_steps(profile_results["trace"], "hooked")[step]
+    ours = hook_events(profile_results["hook_steps"][step])
+
+    def spans(events, kind):
+        return [(e["start_us"] / 1000, e["end_us"] / 1000) for e in events if e["kind"] == kind]
+
+    rows = {
+        "profiler: backward compute": subtract(spans(traced, "backward"), spans(traced, "all-reduce issued")),
+        "profiler: all-reduce issued": spans(traced, "all-reduce issued"),
+        "profiler: gloo:all_reduce": spans(traced, "all-reduce running"),
+        "our hook: backward to last hook": spans(ours, "backward"),
+        "our hook: issued": spans(ours, "all-reduce issued"),
+        "our hook: running until callback": spans(ours, "all-reduce running"),
+    }
+    _, ax = plt.subplots(figsize=(9, 3.2), dpi=80, layout="constrained")
+    for row, found in enumerate(rows.values()):
+        ax.broken_barh([(s, max(e - s, 0.03)) for s, e in found], (row - 0.35, 0.7), color=f"C{row // 3}")
+    ax.set(yticks=range(len(rows)), yticklabels=list(rows), xlabel="ms since this step's backward started",
+           title="One DDP step with our hook, rank 0: torch's profiler (blue) and our hook's clock (orange)")
+    ax.invert_yaxis()
+    ax.grid(axis="x", alpha=0.3)
+    return ax
+
+
+# ------------------------------------------------------------------ section 5: model FLOPs utilisation
+
+def flops_formula(layers: list[list[int]], batch: int) -> dict[str, int]:
+    """Matmul FLOPs of one forward and backward of a stack of Linear layers (2 per multiply-add): the forward, the
+    weight gradients, and the input gradients of every layer but the first (its input needs none)."""
+    products = [inputs * outputs for inputs, outputs in layers]
+    return {"forward": 2 * batch * sum(products), "weight gradients": 2 * batch * sum(products),
+            "input gradients": 2 * batch * sum(products[1:])}
+
+
+def matmul_rates(mfu_results: dict[int, dict]) -> dict[int, Timing]:
+    """Each size's matmul timings, a round as slow as the slower rank."""
+    timings = across_ranks(mfu_results[rank]["matmul"] for rank in sorted(mfu_results))
+    return {int(name): timing for name, timing in timings.items()}
+
+
+def mfu_table(mfu_results: dict[int, dict]) -> dict[str, Any]:
+    """FLOPs per step, the best measured matmul rate (per rank, both ranks computing), step times and the fraction."""
+    first = mfu_results[0]
+    rates = {n: 2 * n**3 / timing.median() for n, timing in matmul_rates(mfu_results).items()}
+    peak_size = max(rates, key=rates.get)
+    steps = across_ranks(mfu_results[rank]["steps"] for rank in sorted(mfu_results))
+    table = {"flops": first["flops"], "rates": rates, "peak": rates[peak_size], "peak_size": peak_size,
+             "steps": steps, "verdict": verdict(steps["DDP step"], steps["no all-reduce (no_sync)"])}
+    table["mfu"] = {name: first["flops"] / timing.median() / table["peak"] for name, timing in steps.items()}
+    return table
+
+
+# ------------------------------------------------------------------ the closing note
+
+def closing_note(hooks: dict, compiled: dict, fsdp: dict, profiled: dict, mfu: dict) -> None:
+    """The numbers the lesson ends on, each from this run, with the timing protocol's verdict where a time is read."""
+    table, timings = hooks_table(hooks), hook_timings(hooks)
+    print("Bytes per step handed to all_reduce (counted / formula), and the step time against float32's:")
+    for name, row in table.items():
+        timed = "" if name == "all-reduce" else f"; {_short(verdict(timings[name], timings['all-reduce']))}"
+        print(f"  {name:<14} {row['counted']:>9,} / {row['formula']:>9,}{timed}")
+    print("Gradient error, median over the compressed steps: " + ", ".join(
+        f"{name} {row['error']:.2g}" for name, row in table.items() if name.startswith("PowerSGD")))
+    splits = compiled[0]["splits"]
+    print("Graphs per bucket setting under torch.compile(DDP): " + ", ".join(
+        f"{setting}: {len(split['graphs'])}" for setting, split in splits.items())
+        + f"; FSDP2 with each block compiled: {len(fsdp[0]['runs']['each block compiled']['graphs'])}")
+    inductor = compiled[0]["inductor"]
+    if "skipped" in inductor:
+        print("Inductor: skipped (no C++ compiler).")
+    else:
+        steps = across_ranks(compiled[rank]["inductor"]["timings"] for rank in sorted(compiled))
+        timed = _short(verdict(steps["compiled"], steps["eager"]))
+        print(f"Inductor: first step {inductor['cold_first_step_s']:.1f} s with an empty cache, "
+              f"{inductor['warm_first_step_s']:.1f} s with it filled; {timed}")
+    found = overlaps(profiled)
+    print("All-reduce span during backward compute, median of 3 steps (lesson 03's measure): " + "; ".join(
+        f"{source} {median([o['fraction'] for o in steps]):.0%}" for source, steps in found.items()))
+    result = mfu_table(mfu)
+    print(f"MFU: {result['mfu']['DDP step']:.0%} of a measured {result['peak'] / 1e9:.0f} GFLOP/s per rank "
+          f"({result['flops'] / 1e6:.0f} MFLOP per step and rank); {_short(result['verdict'])}")
+
+
+def _short(found) -> str:
+    """A verdict's first clause: who is faster by how much, or not distinguishable."""
+    if found.distinguishable:
+        return f"{found.faster} faster than {found.slower}, {found.ratio:.2f}x (wall)"
+    return f"{found.sentence.split(':')[0]}: not distinguishable (wall)"

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from helpers.kit.distributed import init_distributed
-from helpers.kit.faster_step import exact_average, flat_grad, relative_error
+from helpers.kit.faster_step import exact_average, flat_grad, relative_error, release
 from helpers.kit.reporting import result
 from helpers.kit.zero import CommLog, build_model
 
@@ -134,6 +134,7 @@ def main() -> None:
             checked[impl] = {"crashed": f"{type(error).__name__}: {error}"}
             dist.barrier()
     result(checked=checked, world_size=world_size)
+    release()
     dist.destroy_process_group()
 
 

@@ -20,7 +20,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from helpers.kit.distributed import init_distributed
-from helpers.kit.faster_step import build_model, digits_batches, exact_average, flat_grad, relative_error
+from helpers.kit.faster_step import build_model, digits_batches, exact_average, flat_grad, relative_error, release
 from helpers.kit.reporting import progress, result
 from helpers.kit.timing import take_turns
 from helpers.kit.zero import CommLog
@@ -32,9 +32,9 @@ def hooks() -> dict:
     """Setting name -> (hook state, hook). PowerSGDState needs the process group, so build it after joining one."""
     settings = {"all-reduce": (None, default_hooks.allreduce_hook), "fp16": (None, default_hooks.fp16_compress_hook),
                 "bf16": (None, default_hooks.bf16_compress_hook)}
-    for rank in POWERSGD_RANKS:
-        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=2)
-        settings[f"PowerSGD rank {rank}"] = (state, powerSGD_hook.powerSGD_hook)
+    for r in POWERSGD_RANKS:  # r: the rank of the low-rank approximation, not a process's rank
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=r, start_powerSGD_iter=2)
+        settings[f"PowerSGD r={r}"] = (state, powerSGD_hook.powerSGD_hook)
     return settings
 
 
@@ -81,6 +81,7 @@ def main() -> None:
     stats = {name: state.compression_stats() for name, (_, _, state) in models.items() if state is not None}
     result(record=record, timings={name: t.as_dict() for name, t in timings.items()}, shapes=shapes,
            powersgd_stats=stats, start_powersgd=2, world_size=world_size, threads=torch.get_num_threads())
+    release(models, settings)
     dist.destroy_process_group()
 
 
