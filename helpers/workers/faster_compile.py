@@ -185,26 +185,31 @@ def compiled_autograd(batches) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--parts", default="inductor,splits,autograd", help="which parts to run (the tests run one)")
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
     cache = prepare_compile(need_cxx=False)
     rank, world_size, _ = init_distributed()
     torch_log = TorchLog()
     batches = digits_batches(rank, 32, 3)
-    talk = rank == 0
-    with still_working("rank 0: inductor, rank 0 alone first (cold cache), then both ranks (warm)", enabled=talk):
-        compiled_by_inductor = inductor(batches, args.rounds)
-        progress(1, 4)
-    with still_working("rank 0: the graphs of 3 bucket settings (aot_eager), and bucket_cap_mb=0.25", enabled=talk):
-        splits = graph_splits(batches, torch_log)
-        progress(2, 4)
-        rule = first_bucket_rule(batches[0])
-        sequential = sequential_graphs(batches[0])
-        progress(3, 4)
-    with still_working("rank 0: compiled autograd (aot_eager)", enabled=talk):
-        autograd = compiled_autograd(batches)
-        progress(4, 4)
-    result(splits=splits, first_bucket_rule=rule, sequential_graphs=sequential, inductor=compiled_by_inductor,
-           compiled_autograd=autograd, parameter_bytes=[4 * p.numel() for p in build_model(WIDTH, DEPTH).parameters()],
+    talk, found = rank == 0, {}
+    if "inductor" in parts:
+        with still_working("rank 0: inductor, rank 0 alone first (cold cache), then both ranks (warm)", enabled=talk):
+            found["inductor"] = inductor(batches, args.rounds)
+            progress(1, 4)
+    if "splits" in parts:
+        with still_working("rank 0: the graphs of 3 bucket settings (aot_eager), and bucket_cap_mb=0.25",
+                           enabled=talk):
+            found["splits"] = graph_splits(batches, torch_log)
+            progress(2, 4)
+            found["first_bucket_rule"] = first_bucket_rule(batches[0])
+            found["sequential_graphs"] = sequential_graphs(batches[0])
+            progress(3, 4)
+    if "autograd" in parts:
+        with still_working("rank 0: compiled autograd (aot_eager)", enabled=talk):
+            found["compiled_autograd"] = compiled_autograd(batches)
+            progress(4, 4)
+    result(**found, parameter_bytes=[4 * p.numel() for p in build_model(WIDTH, DEPTH).parameters()],
            world_size=world_size, cache=cache)
     torch._dynamo.reset()  # the compiled models it keeps go first, on this thread
     release()
