@@ -39,7 +39,8 @@ from helpers.kit.data import digits_as_mnist
 NO_COMPILER = ("torch.compile's default backend, inductor, turns each graph into C++ on a CPU and needs a C++ "
                "compiler; torch found none ({detail}). Install one (Debian or Ubuntu: `sudo apt-get install g++`; "
                "macOS: `xcode-select --install`), or name one in the CXX environment variable before you start "
-               "Jupyter, then restart the kernel. Everything in the lesson that does not compile with inductor runs without it.")
+               "Jupyter, then restart the kernel. Everything in the lesson that does not compile with inductor "
+               "runs without it.")
 
 
 class NoCompiler(RuntimeError):
@@ -113,7 +114,7 @@ def prepare_compile(need_cxx: bool = True) -> str:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
     atexit.register(shutil.rmtree, cache, ignore_errors=True)
     import torch._inductor.config as inductor_config
-X
+    inductor_config.compile_threads = 1  # workers forked from the launch server inherit its config, already read
     if need_cxx:
         require_cxx()
     return cache

@@ -87,6 +87,7 @@ def ddp(cap_mb, counter: AllreduceCounter | None = None) -> DDP:
 
 def graph_splits(batches, torch_log: TorchLog) -> dict:
     splits = {}
+    torch_log.take()  # lines of earlier compiles
     for name, cap in CAPS.items():
         torch._dynamo.reset()
         counter, backend = AllreduceCounter(), GraphCounter("aot_eager")
