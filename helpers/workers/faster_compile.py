@@ -56,12 +56,12 @@ class TorchLog(logging.Handler):
         super().__init__(logging.INFO)
         self.lines: list[str] = []
         logger = logging.getLogger("torch._dynamo.backends.distributed")
+        for handler in list(logger.handlers):  # torch's own stderr handler: the notebook prints the lines it keeps
+            if getattr(handler, "_torch_logging_internal_handler", False):
+                logger.removeHandler(handler)
         logger.setLevel(logging.INFO)
         logger.addHandler(self)
-        logger.propagate = False  # kept here, not also printed by torch's own handler
-        # two warnings that say nothing about this run: DDP's record_function under dynamo, CUDA_HOME on a CPU
-        logging.getLogger("torch._logging._internal").setLevel(logging.ERROR)
-        logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+        logger.propagate = False
 
     def emit(self, record: logging.LogRecord) -> None:
         self.lines.append(record.getMessage().strip())
