@@ -1,0 +1,549 @@
+"""Live ranks: workers that stay up between notebook cells, each with its own variables (the %ranks magic).
+
+    %ranks start -n 2          a launch whose worker script is a cell loop (helpers/launcher/live_rank.py)
+    %%ranks [RANKS]            the cell runs on those ranks (all by default); output labelled by rank, live
+    %ranks get x               [x on rank 0, x on rank 1]
+    %ranks status | stop | restart
+
+A session is an ordinary launch (api.Job: the launch server, torch's elastic agent, the run folder, the console).
+Its workers connect back to this kernel on a loopback socket (helpers/kit/live_wire.py): the kernel sends each cell
+to the ranks that run it and waits for every one of them to answer, showing their output meanwhile. What can go wrong,
+and what the learner is told:
+- a cell raises on some ranks: CellFailed names each rank and its cell line; every rank keeps its variables;
+- ■ Stop (KeyboardInterrupt) or --timeout: every rank running the cell dumps its stack and gets SIGINT; the error says
+  where each one was. A rank waiting inside a collective cannot be interrupted (gloo and nccl wait in C++), so the
+  process group is then broken, and the error says that %ranks restart brings it back;
+- a rank dies: the launch ends as any launch does (torch's agent stops the others) and the diagnosis names the rank,
+  its exit code, its traceback and its cell line (api.wait's WorkerFailed);
+- the kernel dies: the launch server kills every agent's process group (server.py), as for any launch.
+"""
+from __future__ import annotations
+
+import ast
+import linecache
+import os
+import pickle
+import re
+import secrets
+import select
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Any, ClassVar
+
+from helpers.kit import live_wire
+from helpers.launcher import diagnosis
+from helpers.launcher.api import _LIBRARY_DIRS, Job, WorkerFailed, _ShortTraceback, fresh_or_default, wait
+from helpers.launcher.run_folder import STACK_SIGNAL, short_path
+from helpers.launcher.spec import build_spec, new_run_dir
+
+CELL_LOOP = Path(__file__).with_name("live_rank.py")
+READY_TIMEOUT = 180.0  # seconds for every rank to join: a first start imports torch in the launch server (tens of s)
+HOLD = 0.5  # seconds a cell's output is held back, so that a quick cell prints rank by rank, not interleaved
+STOP_GRACE = 1.0  # seconds an interrupted rank has to answer before it counts as stuck
+LEAVE_GRACE = 10.0  # seconds for torch's agent to notice that a rank died and stop the others
+NOTE_AFTER = 1.0  # seconds after a rank failed, while others still run the cell, before saying where they are
+RESTART = "%ranks restart starts the ranks again (their variables are lost)."
+
+
+class RanksUnavailable(_ShortTraceback, RuntimeError):
+    """No cell can run now: no ranks were started, they are gone, or their process group is broken."""
+
+
+class CellFailed(WorkerFailed):
+    """A cell raised on one or more ranks; the ranks are alive and keep their variables. `.rank`, `.where`, `.error`:
+    the first rank that raised, its cell line ("In[7]:3 (in <module>)") and its error; `.tracebacks[rank]`."""
+
+    def __init__(self, message: str, failed: dict[int, dict]) -> None:
+        first = min(failed)
+        super().__init__(message, rank=first, where=failed[first].get("where"), error=failed[first].get("error"))
+        self.tracebacks = {rank: reply.get("traceback", "") for rank, reply in failed.items()}
+
+
+class CellInterrupted(_ShortTraceback, KeyboardInterrupt):
+    """■ Stop during a cell. `.where[rank]`: where each rank running the cell was; `.stuck`: the ranks that could not
+    be interrupted (then the process group is broken: %ranks restart)."""
+
+    def __init__(self, message: str, where: dict[int, str], stuck: set[int]) -> None:
+        super().__init__(message)
+        self.where, self.stuck = where, stuck
+
+
+class CellTimeout(_ShortTraceback, TimeoutError):
+    """The cell ran past --timeout; what happened next is as for CellInterrupted (`.where`, `.stuck`)."""
+
+    def __init__(self, message: str, where: dict[int, str], stuck: set[int]) -> None:
+        super().__init__(message)
+        self.where, self.stuck = where, stuck
+
+
+class RemoteRepr:
+    """A value that could not travel to the notebook (it does not pickle, or not here): its repr on the rank."""
+
+    def __init__(self, text: str, why: str) -> None:
+        self.text, self.why = text, why
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+# ---------------------------------------------------------------------------- pure helpers (tests/fast)
+
+def parse_ranks(text: str | None, world_size: int) -> list[int]:
+    """'1', '0,2', '0-2', '0 3' or 'all' (or nothing) -> sorted ranks, each checked against the world size."""
+    words = [word for word in re.split(r"[,\s]+", (text or "").strip()) if word]
+    if not words or words == ["all"]:
+        return list(range(world_size))
+    chosen = set()
+    for word in words:
+        found = re.fullmatch(r"(\d+)(?:-(\d+))?", word)
+        if not found:
+            raise ValueError(f"%%ranks: {word!r} is not a rank; write ranks as 1, 0,2 or 0-3 (default: all)")
+        low, high = int(found[1]), int(found[2] or found[1])
+        if high >= world_size or low > high:
+            raise ValueError(f"%%ranks: no rank {word} in a group of {world_size} (ranks 0-{world_size - 1})")
+        chosen.update(range(low, high + 1))
+    return sorted(chosen)
+
+
+def unpack(header: dict[str, Any], blob: bytes) -> Any:
+    """A rank's value: unpickled, or its repr (RemoteRepr) when it cannot be unpickled here."""
+    kind = header.get("value")
+    if kind is None:
+        return None
+    if kind == "pickle":
+        try:
+            return pickle.loads(blob)
+        except Exception as error:
+            return RemoteRepr(header.get("repr", "?"), f"{type(error).__name__}: {error}")
+    return RemoteRepr(header.get("repr", "?"), header.get("why", ""))
+
+
+def failure_message(failed: dict[int, dict], others: dict[int, str]) -> str:
+    """The error of a cell that raised on the ranks in `failed` (their replies); `others`: what each other rank did."""
+    lines = [f"rank {rank} failed at {reply.get('where') or 'an unknown line'}: {reply.get('error')}"
+             for rank, reply in sorted(failed.items())]
+    lines += [f"rank {rank} {what}" for rank, what in sorted(others.items())]
+    lines.append("Every rank keeps its variables; the ranks are ready for the next cell.")
+    shown: dict[str, int] = {}
+    for rank, reply in sorted(failed.items()):
+        text = reply.get("traceback", "").rstrip()
+        if text in shown:
+            lines.append(f"--- rank {rank}: the same traceback as rank {shown[text]} ---")
+        else:
+            shown[text] = rank
+            lines += [f"--- traceback from rank {rank} ---", text]
+    return "\n".join(lines)
+
+
+def broken_message(stuck_where: dict[int, str]) -> str:
+    ranks = ", ".join(str(rank) for rank in sorted(stuck_where))
+    places = "".join(f"\n  rank {rank}: {where}" for rank, where in sorted(stuck_where.items()))
+    return (f"The process group is broken: rank{'s' if len(stuck_where) > 1 else ''} {ranks} did not stop.{places}\n"
+            f"A collective waits inside C++ (gloo's or nccl's wait), where Python cannot interrupt it, and the other "
+            f"ranks can no longer match its collectives. {RESTART}")
+
+
+def cell_stack(log_text: str, read_line=linecache.getline) -> str | None:
+    """The Python stack of a rank that died from a signal (faulthandler's last dump in its log), cut to the cells'
+    frames and what they called, outermost first as in a traceback; None when no cell frame is in it."""
+    fatal = log_text.rfind("Fatal Python error:")
+    if fatal < 0:
+        return None
+    for frames in diagnosis.parse_stacks(log_text[fatal:]):
+        cells = [index for index, (file, _, _) in enumerate(frames) if file.startswith("In[")]
+        if not cells:
+            continue
+        lines = []
+        for file, line, func in reversed(frames[:cells[-1] + 1]):
+            shown = next((os.path.relpath(file, base) for base in _LIBRARY_DIRS if file.startswith(base + os.sep)),
+                         file)
+            lines.append(f'  File "{shown}", line {line}, in {func}')
+            source = read_line(file, line).strip() if file.startswith("In[") else ""
+            if source:
+                lines.append(f"    {source}")
+        lines.append(log_text[fatal:].splitlines()[0])
+        return "\n".join(lines)
+    return None
+
+
+def death_message(failure: WorkerFailed) -> str:
+    """api.wait's diagnosis of a dead rank, with the Python stack cut to the cells when a signal killed it (the
+    launcher's and torch's frames below a cell are 40 lines a learner need not read)."""
+    text = str(failure)
+    logs = failure.run.logs if failure.run is not None else {}
+    stack = cell_stack(logs.get(failure.rank, "")) if failure.rank is not None else None
+    if stack is None or "\n--- last lines of output" not in text:
+        return f"{text}\n{RESTART}"
+    head, _, rest = text.partition("\n--- last lines of output")
+    folder = rest[rest.find("\n--- logs of every rank"):]
+    return f"{head}\n--- Python stack of rank {failure.rank} when it died (faulthandler) ---\n{stack}{folder}\n{RESTART}"
+
+
+def per_rank(values: dict[int, Any], world_size: int, keep_none: bool = False) -> Any:
+    """The cell's value on each rank: a list indexed by rank when every rank ran the cell, else {rank: value};
+    None when no rank had a value (unless keep_none)."""
+    if not keep_none and all(value is None for value in values.values()):
+        return None
+    if sorted(values) == list(range(world_size)):
+        return [values[rank] for rank in range(world_size)]
+    return dict(sorted(values.items()))
+
+
+# ---------------------------------------------------------------------------- the session
+
+class LiveRanks:
+    """One group of live ranks: a launch whose workers run the cells this kernel sends them."""
+
+    session: ClassVar[LiveRanks | None] = None  # this kernel's ranks (%ranks works on this one)
+
+    def __init__(self, nproc: int = 2, fresh: bool | None = None, debug: bool = False,
+                 ready_timeout: float = READY_TIMEOUT) -> None:
+        if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
+            raise ValueError(f"nproc must be a whole number >= 1, got {nproc!r}")
+        self.options = {"nproc": nproc, "fresh": fresh, "debug": debug}
+        self.nproc, self.cells, self.gone = nproc, 0, None
+        self.conns: dict[int, socket.socket] = {}
+        self.readers: dict[int, live_wire.Reader] = {}
+        self.pids: dict[int, int] = {}
+        self.busy: dict[int, int] = {}  # rank -> the cell it has not answered yet
+        self.answers: dict[int, tuple[dict, bytes]] = {}
+        self.stuck_where: dict[int, str] = {}
+        self.marks: dict[int, int] = {}  # rank -> how many of its lines came before the running cell
+        self.backend = self.device = None
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(nproc)
+        token = secrets.token_hex(16)
+        run_dir = new_run_dir(CELL_LOOP, None)
+        spec = build_spec(CELL_LOOP, nproc, (), 0, {}, run_dir, fresh_or_default(fresh), debug=debug)
+        spec["env"][live_wire.ADDRESS] = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        spec["env"][live_wire.TOKEN] = token
+        print(f"Starting {nproc} live rank{'s' if nproc > 1 else ''} (torch's elastic agent, as for a launch)...",
+              flush=True)
+        self.job = Job(spec, echo=True)
+        try:
+            self._join(token, ready_timeout)
+        except BaseException:
+            self._shut()
+            raise
+        finally:
+            self.listener.close()
+        who = f"Ranks 0-{nproc - 1}" if nproc > 1 else "Rank 0"
+        device = "cuda:<local rank>" if self.device.startswith("cuda") else self.device
+        print(f"{who} joined the process group (backend {self.backend}, device {device}). %%ranks runs a cell on "
+              "them.", flush=True)
+
+    # -- starting
+    def _join(self, token: str, timeout: float) -> None:
+        """Accept each rank's connection, check its token, and wait until every rank has joined the process group."""
+        strangers: dict[socket.socket, live_wire.Reader] = {}
+        try:
+            self._accept(token, timeout, strangers)
+        finally:
+            for conn in strangers:
+                conn.close()
+
+    def _accept(self, token: str, timeout: float, strangers: dict[socket.socket, live_wire.Reader]) -> None:
+        ready: set[int] = set()
+        deadline = time.monotonic() + timeout
+        while len(ready) < self.nproc:
+            readable = select.select([self.listener, *strangers, *self.conns.values()], [], [], 0.1)[0]
+            if self.listener in readable:
+                conn, _ = self.listener.accept()
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                strangers[conn] = live_wire.Reader()
+            for rank, conn in list(self.conns.items()):
+                if conn in readable:
+                    self._take(rank, self._receive(rank), ready)
+            for conn in [c for c in readable if c in strangers]:
+                data = conn.recv(65536)
+                try:
+                    messages = strangers[conn].feed(data) if data else []
+                except ValueError:  # not our framing
+                    messages, data = [], b""
+                if data and not messages:
+                    continue  # its hello is not complete yet
+                if not messages or messages[0][0].get("hello") != token:  # closed, or not one of our ranks
+                    strangers.pop(conn).close()
+                    continue
+                hello = messages[0][0]
+                rank = int(hello["rank"])
+                self.conns[rank], self.readers[rank], self.pids[rank] = conn, strangers.pop(conn), int(hello["pid"])
+                self._take(rank, messages[1:], ready)
+            self._show()
+            if self.job.agent.poll() is not None:
+                self._died()
+            if time.monotonic() > deadline:
+                raise RanksUnavailable(f"the ranks did not all join within {timeout:g} s (ranks ready: "
+                                       f"{sorted(ready) or 'none'}); logs: {short_path(self.job.run_dir)}/")
+
+    def _take(self, rank: int, messages: list, ready: set[int]) -> None:
+        for header, _ in messages:
+            if "ready" in header:
+                ready.add(rank)
+                self.backend, self.device = header["backend"], header["device"]
+
+    # -- the connection
+    def _receive(self, rank: int) -> list[tuple[dict, bytes]]:
+        """What rank's socket has delivered (call when select says it is readable); a closed socket: the rank died."""
+        try:
+            data = self.conns[rank].recv(1 << 20)
+        except OSError:
+            data = b""
+        if not data:
+            self._died()
+        return self.readers[rank].feed(data)
+
+    def _poll(self, seconds: float) -> None:
+        """Wait up to `seconds` for the ranks; file each reply to the cell its rank is busy with (older replies, to
+        a cell the kernel stopped waiting for, are dropped)."""
+        readable = select.select(list(self.conns.values()), [], [], seconds)[0]
+        for rank, conn in list(self.conns.items()):
+            if conn not in readable:
+                continue
+            for header, blob in self._receive(rank):
+                if "cell" in header and self.busy.get(rank) == header["cell"]:
+                    del self.busy[rank]
+                    self.stuck_where.pop(rank, None)
+                    self.answers[rank] = (header, blob)
+
+    def _show(self) -> bool:
+        """Print the ranks' new lines, labelled; True when there were any."""
+        lines = self.job.folder.collect()
+        self.job.echo.show(lines)
+        return bool(lines)
+
+    # -- running cells
+    def run(self, source: str, ranks: str | list[int] | None = None, number: int | None = None,
+            timeout: float | None = None, keep_none: bool = False) -> Any:
+        """Run `source` on `ranks` (default all); the value of its last expression on each rank (per_rank)."""
+        __tracebackhide__ = True
+        self._check_usable()
+        chosen = ranks if isinstance(ranks, list) else parse_ranks(ranks, self.nproc)
+        self.cells += 1
+        cell = self.cells
+        filename = f"In[{number if number is not None else cell}]"
+        self._show()  # what the ranks printed between cells, before this cell's lines
+        self.marks = {rank: len(lines) for rank, lines in self.job.folder.lines.items()}
+        linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
+        message = live_wire.frame({"op": "run", "cell": cell, "source": source, "filename": filename})
+        for rank in chosen:
+            self.busy[rank] = cell
+            try:
+                self.conns[rank].sendall(message)
+            except OSError:
+                self._died()
+        replies = self._follow(cell, chosen, timeout)
+        failed = {rank: header for rank, (header, _) in replies.items() if header["status"] != "ok"}
+        if failed:
+            others = {rank: "finished the cell." for rank in replies if rank not in failed}
+            raise CellFailed(failure_message(failed, others), failed)
+        return per_rank({rank: unpack(*replies[rank]) for rank in chosen}, self.nproc, keep_none)
+
+    def get(self, expression: str, number: int | None = None) -> list[Any]:
+        """The value of `expression` on every rank, as a list indexed by rank."""
+        __tracebackhide__ = True
+        try:
+            ast.parse(expression.strip(), mode="eval")
+        except SyntaxError:
+            raise ValueError(f"%ranks get: {expression!r} is not an expression (usage: %ranks get x)") from None
+        return self.run(expression.strip(), number=number, keep_none=True)
+
+    def _follow(self, cell: int, chosen: list[int], timeout: float | None) -> dict[int, tuple[dict, bytes]]:
+        """Wait for every chosen rank's answer, showing output; stop the cell on ■ Stop or past `timeout`."""
+        started = time.monotonic()
+        pause, noted, failed_at = 0.02, False, None
+        try:
+            while any(rank not in self.answers for rank in chosen):
+                self._poll(pause)
+                if self.job.agent.poll() is not None:
+                    self._died()
+                now = time.monotonic()
+                if now - started >= HOLD:
+                    pause = 0.02 if self._show() else min(0.2, pause * 1.5)
+                if failed_at is None and any(self.answers[r][0]["status"] != "ok" for r in chosen if r in self.answers):
+                    failed_at = now
+                if failed_at is not None and not noted and now - failed_at > NOTE_AFTER:
+                    noted = True
+                    self._note_waiting(chosen)
+                if timeout is not None and now - started > timeout:
+                    raise self._stop_cell(chosen, f"Timed out after {timeout:g} s", CellTimeout)
+        except KeyboardInterrupt:
+            raise self._stop_cell(chosen, "Interrupted (KeyboardInterrupt)", CellInterrupted) from None
+        self._show()
+        return {rank: self.answers.pop(rank) for rank in chosen}
+
+    def _note_waiting(self, chosen: list[int]) -> None:
+        running = [rank for rank in chosen if rank not in self.answers]
+        where = self._where(running, interrupt=False)
+        failed = sorted(r for r in chosen if r in self.answers and self.answers[r][0]["status"] != "ok")
+        self._show()
+        print(f"(rank {', '.join(map(str, failed))} failed; still running: "
+              + "; ".join(f"rank {rank} {where.get(rank, '?')}" for rank in running)
+              + ". A rank waiting for a failed rank in a collective waits until the process group's timeout: "
+                "press ■ Stop to interrupt the cell.)", flush=True)
+
+    def _where(self, ranks: list[int], interrupt: bool) -> dict[int, str]:
+        """Where each of `ranks` is (one line each, diagnosis.where), from the stacks each dumps on STACK_SIGNAL; with
+        `interrupt`, also SIGINT them and wait until each has answered or is known to wait inside a collective."""
+        folder = self.job.folder
+        sizes = {rank: size for rank, size in folder.stack_sizes().items() if rank in ranks}
+        for signal_number in (STACK_SIGNAL, signal.SIGINT) if interrupt else (STACK_SIGNAL,):
+            for rank in ranks:
+                try:
+                    os.kill(self.pids[rank], signal_number)
+                except ProcessLookupError:
+                    pass
+        where: dict[int, str] = {}
+        previous: dict[int, str] = {}
+        deadline = time.monotonic() + STOP_GRACE
+        while time.monotonic() < deadline:
+            self._poll(0.05)
+            stacks = folder.stacks_since(sizes)
+            settled = {rank for rank, text in stacks.items() if text and text == previous.get(rank)}
+            for rank in settled:
+                where[rank] = diagnosis.where(stacks[rank], self.job.spec["script"], _LIBRARY_DIRS,
+                                              read_line=linecache.getline)
+            previous = stacks
+            undecided = [rank for rank in ranks if rank not in where or (
+                interrupt and rank not in self.answers and not where[rank].startswith("waiting in dist."))]
+            if not undecided:
+                break
+        return where
+
+    def _stop_cell(self, chosen: list[int], headline: str, kind: type) -> BaseException:
+        """Interrupt the ranks still running the cell; the error says where each was, and whether the group is
+        still usable."""
+        running = [rank for rank in chosen if rank not in self.answers]
+        where = self._where(running, interrupt=True)
+        self._show()
+        said: dict[int, str] = {}
+        for rank in range(self.nproc):
+            reply = self.answers.get(rank, ({}, b""))[0]
+            if rank not in chosen:
+                said[rank] = "not running this cell"
+            elif rank not in running:
+                said[rank] = (f"had failed at {reply.get('where')}: {reply.get('error')}" if reply.get("status") ==
+                              "error" else "had finished the cell")
+            elif rank in self.answers:
+                outcome = {"interrupted": "interrupted", "ok": "it finished the cell"}.get(
+                    reply.get("status"), f"it failed: {reply.get('error')}")
+                said[rank] = f"{where.get(rank, 'no stack')}; {outcome}"
+            else:
+                said[rank] = f"{where.get(rank, 'no stack')}; still there"
+        stuck = {rank for rank in running if rank not in self.answers}
+        for rank in chosen:
+            self.answers.pop(rank, None)
+        self.stuck_where = {rank: where.get(rank, "no stack") for rank in stuck}
+        logs = {rank: "\n".join(self.job.folder.lines.get(rank, [])[self.marks.get(rank, 0):]) for rank in chosen}
+        message = diagnosis.hang_message(headline, said, logs, str(short_path(self.job.run_dir)))
+        if stuck:
+            message += "\n" + broken_message(self.stuck_where)
+        else:
+            message += "\nEvery rank stopped the cell and keeps its variables; the ranks are ready for the next cell."
+        return kind(message, {rank: where.get(rank, "no stack") for rank in running}, stuck)
+
+    # -- the session's state
+    def _check_usable(self) -> None:
+        __tracebackhide__ = True
+        if self.gone:
+            raise RanksUnavailable(self.gone)
+        if self.job.agent.poll() is not None:
+            self._died()
+        self._poll(0)
+        if self.busy:
+            raise RanksUnavailable(broken_message({rank: self.stuck_where.get(rank, "still running an earlier cell")
+                                                   for rank in self.busy}))
+        self.answers.clear()
+
+    def _died(self) -> None:
+        """A rank's connection closed or the agent exited: follow the launch to its end (api.wait), which raises the
+        diagnosis (the rank that failed first, its exit code, traceback and line)."""
+        __tracebackhide__ = True
+        self.gone = f"The ranks are gone (a rank died). {RESTART}"
+        self._close_sockets()
+        deadline = time.monotonic() + LEAVE_GRACE
+        while self.job.agent.poll() is None and time.monotonic() < deadline:
+            self._show()
+            time.sleep(0.05)
+        if self.job.agent.poll() is None:  # a rank left without an error (exit(), os._exit(0)): the agent waits on
+            self._shut()
+            self.gone = f"A rank left without an error (exit code 0): the other ranks were stopped. {RESTART}"
+            raise RanksUnavailable(self.gone)
+        try:
+            wait([self.job], timeout=30)
+        except WorkerFailed as failure:
+            raise WorkerFailed(death_message(failure), rank=failure.rank, exitcode=failure.exitcode,
+                               run=failure.run, where=failure.where, error=failure.error,
+                               meaning=failure.meaning) from None
+        self.gone = f"The ranks exited (exit code 0). {RESTART}"
+        raise RanksUnavailable(self.gone)
+
+    def status(self) -> str:
+        if self.gone:
+            return self.gone
+        if self.job.agent.poll() is not None:
+            return f"The ranks are gone (the torchrun agent exited with code {self.job.agent.code}). {RESTART}"
+        self._poll(0)
+        head = (f"{self.nproc} live rank{'s' if self.nproc > 1 else ''} (backend {self.backend}, device {self.device}),"
+                f" {self.cells} cell{'s' if self.cells != 1 else ''} run; logs: {short_path(self.job.run_dir)}/")
+        if self.busy:
+            return head + "\n" + broken_message({rank: self.stuck_where.get(rank, "still running an earlier cell")
+                                                 for rank in self.busy})
+        return head
+
+    def stop(self) -> None:
+        """Ask every rank to leave; whatever has not left after a few seconds is stopped as a launch is."""
+        for conn in self.conns.values():
+            try:
+                conn.sendall(live_wire.frame({"op": "exit"}))
+            except OSError:
+                pass
+        deadline = time.monotonic() + (3.0 if not self.busy else 0.0)
+        while self.job.agent.poll() is None and time.monotonic() < deadline:
+            self._show()
+            time.sleep(0.05)
+        self._shut()
+        self.gone = self.gone or f"The ranks were stopped. {RESTART}"
+
+    def _shut(self) -> None:
+        self.job.stop()
+        self.job.echo.show(self.job.folder.collect(final=True))
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        for conn in self.conns.values():
+            conn.close()
+        self.conns.clear()
+
+
+# ---------------------------------------------------------------------------- what the magic calls
+
+def start(nproc: int = 2, fresh: bool | None = None, debug: bool = False) -> LiveRanks:
+    """Start this kernel's live ranks (stopping the ones running, if any)."""
+    if LiveRanks.session is not None and not LiveRanks.session.gone:
+        print("Stopping the live ranks already running first (their variables are lost).", flush=True)
+        LiveRanks.session.stop()
+    LiveRanks.session = None
+    LiveRanks.session = LiveRanks(nproc, fresh, debug)
+    return LiveRanks.session
+
+
+def restart(**changes: Any) -> LiveRanks:
+    """Stop this kernel's ranks and start the same number again (or what `changes` says)."""
+    previous = current()
+    return start(**{**previous.options, **{key: value for key, value in changes.items() if value is not None}})
+
+
+def current() -> LiveRanks:
+    __tracebackhide__ = True
+    if LiveRanks.session is None:
+        raise RanksUnavailable("no live ranks in this kernel: start them with %ranks start -n 2")
+    return LiveRanks.session
+
+
+def stop() -> None:
+    if LiveRanks.session is not None:
+        LiveRanks.session.stop()
