@@ -42,6 +42,8 @@ CELL_LOOP = Path(__file__).with_name("live_rank.py")
 READY_TIMEOUT = 180.0  # seconds for every rank to join: a first start imports torch in the launch server (tens of s)
 HOLD = 0.5  # seconds a cell's output is held back, so that a quick cell prints rank by rank, not interleaved
 STOP_GRACE = 1.0  # seconds an interrupted rank has to answer before it counts as stuck
+DUMP_WAIT = 0.3  # seconds to wait for a rank's stack dump before interrupting it anyway
+INTERRUPT_EVERY = 0.15  # seconds between SIGINTs to a rank that has not answered (see LiveRanks._where)
 LEAVE_GRACE = 10.0  # seconds for torch's agent to notice that a rank died and stop the others
 NOTE_AFTER = 1.0  # seconds after a rank failed, while others still run the cell, before saying where they are
 RESTART = "%ranks restart starts the ranks again (their variables are lost)."
@@ -178,7 +180,8 @@ def death_message(failure: WorkerFailed) -> str:
         return f"{text}\n{RESTART}"
     head, _, rest = text.partition("\n--- last lines of output")
     folder = rest[rest.find("\n--- logs of every rank"):]
-    return f"{head}\n--- Python stack of rank {failure.rank} when it died (faulthandler) ---\n{stack}{folder}\n{RESTART}"
+    title = f"--- Python stack of rank {failure.rank} when it died (faulthandler) ---"
+    return f"{head}\n{title}\n{stack}{folder}\n{RESTART}"
 
 
 def per_rank(values: dict[int, Any], world_size: int, keep_none: bool = False) -> Any:
@@ -386,24 +389,25 @@ class LiveRanks:
                 "press ■ Stop to interrupt the cell.)", flush=True)
 
     def _where(self, ranks: list[int], interrupt: bool) -> dict[int, str]:
-        """Where each of `ranks` is (one line each, diagnosis.where), from the stacks each dumps on STACK_SIGNAL; with
-        `interrupt`, also SIGINT them and wait until each has answered or is known to wait inside a collective."""
+        """Where each of `ranks` is (one line each, diagnosis.where), from the stacks each dumps on STACK_SIGNAL. With
+        `interrupt`, SIGINT each rank once its stack is in, and wait until each has answered or is known to wait inside
+        a collective.
+
+        SIGINT goes after the dump, and again every INTERRUPT_EVERY seconds to a rank that has not answered: Linux hands
+        a signal sent to a process to its main thread only if that thread has no other signal pending, else to any
+        thread (kernel/signal.c, complete_signal), and a rank's main thread asleep in a system call (time.sleep) wakes
+        only for a signal of its own. Python runs the handler in the main thread at the next chance; it raises once."""
         folder = self.job.folder
         sizes = {rank: size for rank, size in folder.stack_sizes().items() if rank in ranks}
-        for signal_number in (STACK_SIGNAL, signal.SIGINT) if interrupt else (STACK_SIGNAL,):
-            for rank in ranks:
-                try:
-                    os.kill(self.pids[rank], signal_number)
-                except ProcessLookupError:
-                    pass
+        self._signal(ranks, STACK_SIGNAL)
         where: dict[int, str] = {}
         previous: dict[int, str] = {}
-        deadline = time.monotonic() + STOP_GRACE
-        while time.monotonic() < deadline:
-            self._poll(0.05)
+        started = time.monotonic()
+        interrupted = None
+        while time.monotonic() - started < STOP_GRACE:
+            self._poll(0.02)
             stacks = folder.stacks_since(sizes)
-            settled = {rank for rank, text in stacks.items() if text and text == previous.get(rank)}
-            for rank in settled:
+            for rank in {rank for rank, text in stacks.items() if text and text == previous.get(rank)} - set(where):
                 where[rank] = diagnosis.where(stacks[rank], self.job.spec["script"], _LIBRARY_DIRS,
                                               read_line=linecache.getline)
             previous = stacks
@@ -411,7 +415,19 @@ class LiveRanks:
                 interrupt and rank not in self.answers and not where[rank].startswith("waiting in dist."))]
             if not undecided:
                 break
+            now = time.monotonic()
+            if interrupt and (len(where) == len(ranks) or now - started > DUMP_WAIT) and (
+                    interrupted is None or now - interrupted > INTERRUPT_EVERY):
+                self._signal([rank for rank in ranks if rank not in self.answers], signal.SIGINT)
+                interrupted = now
         return where
+
+    def _signal(self, ranks: list[int], signal_number: int) -> None:
+        for rank in ranks:
+            try:
+                os.kill(self.pids[rank], signal_number)
+            except ProcessLookupError:
+                pass
 
     def _stop_cell(self, chosen: list[int], headline: str, kind: type) -> BaseException:
         """Interrupt the ranks still running the cell; the error says where each was, and whether the group is

@@ -124,7 +124,8 @@ def ranks_cell(line: str, cell: str, number: int | None = None):
     if any(word.startswith("-") for word in ranks):
         raise ValueError(f"%%ranks: unknown option(s) {' '.join(w for w in ranks if w.startswith('-'))}; "
                          f"{RANKS_USAGE}")
-    return live.current().run(cell, " ".join(ranks), number=number, timeout=options.timeout)
+    # a blank first line stands for the %%ranks line, so that line numbers are the cell's as the notebook shows it
+    return live.current().run("\n" + cell, " ".join(ranks), number=number, timeout=options.timeout)
 
 
 def _cell_number(ipython) -> int | None:

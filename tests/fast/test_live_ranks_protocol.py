@@ -20,8 +20,8 @@ from helpers.launcher.api import WorkerFailed
 
 
 def test_messages_survive_any_split_of_the_byte_stream():
-    sent = [({"op": "run", "cell": 1, "source": "print('é')"}, b""), ({"cell": 1, "value": "pickle"}, bytes(range(256))),
-            ({"op": "exit"}, b"")]
+    sent = [({"op": "run", "cell": 1, "source": "print('é')"}, b""),
+            ({"cell": 1, "value": "pickle"}, bytes(range(256))), ({"op": "exit"}, b"")]
     stream = b"".join(live_wire.frame(header, blob) for header, blob in sent)
     for piece in (1, 3, 7, len(stream)):
         reader, got = live_wire.Reader(), []
@@ -186,7 +186,8 @@ def test_a_dead_ranks_stack_is_cut_to_the_cells():
 
 def test_a_dead_ranks_error_keeps_the_diagnosis_and_says_how_to_recover():
     class Run:
-        logs = {1: DUMP.format(stdlib=live._LIBRARY_DIRS[0])}
+        def __init__(self) -> None:
+            self.logs = {1: DUMP.format(stdlib=live._LIBRARY_DIRS[0])}
 
     failure = WorkerFailed("rank 1 failed first, with exit code -11 (SIGSEGV); no other rank is left running.\n"
                            "  where: In[4]:3 (in crash)\n--- last lines of output from rank 1 ---\n(40 lines)\n"
@@ -198,9 +199,10 @@ def test_a_dead_ranks_error_keeps_the_diagnosis_and_says_how_to_recover():
 
 
 def test_where_a_hung_rank_waits_is_its_cells_line():
+    torch_dir = "/venv/lib/python3.11/site-packages/torch/distributed"
     dump = ('Current thread 0x1 (most recent call first):\n'
-            '  File "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", line 3913 in all_reduce\n'
-            '  File "/venv/lib/python3.11/site-packages/torch/distributed/c10d_logger.py", line 83 in wrapper\n'
+            f'  File "{torch_dir}/distributed_c10d.py", line 3913 in all_reduce\n'
+            f'  File "{torch_dir}/c10d_logger.py", line 83 in wrapper\n'
             '  File "In[7]", line 2 in <module>\n'
             f'  File "{live.CELL_LOOP}", line 112 in execute\n')
     assert diagnosis.where(dump, str(live.CELL_LOOP)) == "waiting in dist.all_reduce at In[7]:2"
