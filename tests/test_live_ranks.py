@@ -157,6 +157,11 @@ def test_stop_interrupts_a_python_wait_and_the_ranks_stay_usable(ranks):
     assert elapsed < 1.0, f"the cell ended {elapsed:.2f} s after the interrupt"
     assert ranks.run_line_magic("ranks", "get kept") == [7, 8]
     assert torch_sum_of_ranks(ranks) == [1.0, 1.0]
+    started = time.monotonic()
+    with pytest.raises(live.CellTimeout, match=r"Timed out after 1 s\.") as caught:  # --timeout: the same, unattended
+        cell(ranks, "import time\ntime.sleep(60)", "--timeout 1")
+    assert time.monotonic() - started < 3 and not caught.value.stuck
+    assert ranks.run_line_magic("ranks", "get kept") == [7, 8]
 
 
 def test_stop_during_a_collective_one_rank_never_joins_says_where_and_restart_brings_the_group_back(ranks):

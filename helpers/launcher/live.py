@@ -228,6 +228,9 @@ class LiveRanks:
         self.job = Job(spec, echo=True)
         try:
             self._join(token, ready_timeout)
+        except KeyboardInterrupt:
+            self._shut()
+            raise CellInterrupted("Interrupted while the ranks started: every rank was stopped.", {}, set()) from None
         except BaseException:
             self._shut()
             raise
@@ -498,11 +501,15 @@ class LiveRanks:
         raise RanksUnavailable(self.gone)
 
     def status(self) -> str:
-        if self.gone:
-            return self.gone
-        if self.job.agent.poll() is not None:
-            return f"The ranks are gone (the torchrun agent exited with code {self.job.agent.code}). {RESTART}"
-        self._poll(0)
+        """One paragraph: how many ranks, their backend and device, how many cells ran, the logs; or what is wrong."""
+        try:
+            if self.gone:
+                return self.gone
+            if self.job.agent.poll() is not None:
+                self._died()
+            self._poll(0)
+        except (WorkerFailed, RanksUnavailable) as failure:  # the ranks died since the last cell: say how
+            return str(failure)
         head = (f"{self.nproc} live rank{'s' if self.nproc > 1 else ''} (backend {self.backend}, device {self.device}),"
                 f" {self.cells} cell{'s' if self.cells != 1 else ''} run; logs: {short_path(self.job.run_dir)}/")
         if self.busy:

@@ -129,9 +129,9 @@ def ranks_cell(line: str, cell: str, number: int | None = None):
 
 
 def _cell_number(ipython) -> int | None:
-    """The running cell's In[n]: IPython's result of the cell being run, else its counter."""
+    """The running cell's n in In[n], as the notebook shows it; None outside a cell run (then the session counts)."""
     result = getattr(getattr(ipython, "displayhook", None), "exec_result", None)
-    return getattr(result, "execution_count", None) or getattr(ipython, "execution_count", None)
+    return getattr(result, "execution_count", None)
 
 
 def register(ipython) -> None:
