@@ -16,6 +16,7 @@ import pytest
 
 from helpers.launcher import live
 from helpers.launcher.api import WorkerFailed
+from helpers.launcher.live_text import RESTART, CellFailed, CellInterrupted, CellTimeout, RanksUnavailable
 from helpers.launcher.run_folder import rank_log
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -119,7 +120,7 @@ def test_each_rank_keeps_its_own_variables_and_values_come_back_as_per_rank_list
 
 def test_an_error_names_the_rank_and_the_cells_line_and_every_rank_keeps_its_state(ranks):
     cell(ranks, "kept = rank + 7")
-    with pytest.raises(live.CellFailed) as caught:
+    with pytest.raises(CellFailed) as caught:
         cell(ranks, """\
             before = 1
             if rank == 1:
@@ -146,7 +147,7 @@ def torch_sum_of_ranks(shell) -> list[float]:
 def test_stop_interrupts_a_python_wait_and_the_ranks_stay_usable(ranks):
     cell(ranks, "kept = rank + 7")
     sent = interrupt_when(live.LiveRanks.session, {0: "waiting", 1: "waiting"})
-    with pytest.raises(live.CellInterrupted) as caught:
+    with pytest.raises(CellInterrupted) as caught:
         cell(ranks, "import time\nprint('waiting', flush=True)\ntime.sleep(60)")
     elapsed = time.monotonic() - sent["sent"]
     stopped = caught.value
@@ -158,7 +159,7 @@ def test_stop_interrupts_a_python_wait_and_the_ranks_stay_usable(ranks):
     assert ranks.run_line_magic("ranks", "get kept") == [7, 8]
     assert torch_sum_of_ranks(ranks) == [1.0, 1.0]
     started = time.monotonic()
-    with pytest.raises(live.CellTimeout, match=r"Timed out after 1 s\.") as caught:  # --timeout: the same, unattended
+    with pytest.raises(CellTimeout, match=r"Timed out after 1 s\.") as caught:  # --timeout: the same, unattended
         cell(ranks, "import time\ntime.sleep(60)", "--timeout 1")
     assert time.monotonic() - started < 3 and not caught.value.stuck
     assert ranks.run_line_magic("ranks", "get kept") == [7, 8]
@@ -166,7 +167,7 @@ def test_stop_interrupts_a_python_wait_and_the_ranks_stay_usable(ranks):
 
 def test_stop_during_a_collective_one_rank_never_joins_says_where_and_restart_brings_the_group_back(ranks):
     sent = interrupt_when(live.LiveRanks.session, {0: "joining", 1: "not joining"})
-    with pytest.raises(live.CellInterrupted) as caught:
+    with pytest.raises(CellInterrupted) as caught:
         cell(ranks, """\
             if rank == 0:
                 print('joining', flush=True)
@@ -182,7 +183,7 @@ def test_stop_during_a_collective_one_rank_never_joins_says_where_and_restart_br
     assert f"rank 0: {stopped.where[0]}; still there" in message and "rank 1: had finished the cell" in message
     assert "The process group is broken" in message and "%ranks restart" in message
     assert elapsed < 1.0, f"the cell ended {elapsed:.2f} s after the interrupt"
-    with pytest.raises(live.RanksUnavailable, match=r"(?s)broken.*rank 0: waiting in dist\.all_reduce.*%ranks restart"):
+    with pytest.raises(RanksUnavailable, match=r"(?s)broken.*rank 0: waiting in dist\.all_reduce.*%ranks restart"):
         cell(ranks, "print('anyone there?')")
     old = live.LiveRanks.session.job.run_dir
     ranks.run_line_magic("ranks", "restart")
@@ -206,9 +207,9 @@ def test_a_dead_rank_is_named_with_its_exit_code_and_stack_and_restart_brings_th
     message = str(failure)
     assert message.startswith("rank 1 failed first, with exit code -11 (SIGSEGV)")
     assert "    return ctypes.string_at(0)" in message and "Fatal Python error: Segmentation fault" in message
-    assert message.endswith(live.RESTART)
+    assert message.endswith(RESTART)
     processes.nothing_left(run_dir)
-    with pytest.raises(live.RanksUnavailable, match="a rank died"):
+    with pytest.raises(RanksUnavailable, match="a rank died"):
         cell(ranks, "print(1)")
     ranks.run_line_magic("ranks", "restart")
     assert torch_sum_of_ranks(ranks) == [1.0, 1.0]

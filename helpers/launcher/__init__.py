@@ -4,6 +4,7 @@ The public surface is ``api``: notebooks and helpers/lessons use it and nothing 
 pyproject.toml). Layers, top to bottom; a module imports only modules below it (another contract):
     magic        the %%torchrun cell magic, and %ranks / %%ranks
     live         live ranks: a launch whose workers run the cells the kernel sends them, each rank keeping its variables
+    live_text    what live ranks tell the learner: their errors and messages (pure functions)
     api          launch / start / wait, Run, WorkerFailed, LaunchTimeout, and the launch server's start and stop
     spec         what a launch asks for, checked, as plain JSON
     processes    the kernel's handles on the server and the agents

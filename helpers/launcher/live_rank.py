@@ -114,7 +114,7 @@ def execute(source: str, filename: str, namespace: dict[str, Any]) -> tuple[dict
             _interruptible = False
     except KeyboardInterrupt as error:
         text, where = _learner_traceback(error)
-        return {"status": "interrupted", "traceback": text, "where": where}, b""
+        return {"status": "interrupted", "traceback": text, "where": where, "error": "KeyboardInterrupt"}, b""
     except SystemExit:
         raise
     except BaseException as error:
@@ -166,7 +166,8 @@ def main() -> None:
     signal.signal(signal.SIGINT, _interrupt)
     serve(sock, new_namespace(rank, world_size, device))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    dist.destroy_process_group()
+    if dist.is_initialized():  # a cell may have destroyed it already
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

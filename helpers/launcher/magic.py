@@ -107,8 +107,9 @@ def ranks_line(line: str, number: int | None = None):
         session = live.LiveRanks.session
         print(session.status() if session else "No live ranks: start them with %ranks start -n 2.")
     else:
+        running = live.LiveRanks.session is not None and not live.LiveRanks.session.gone
         live.stop()
-        print("The live ranks are stopped.")
+        print("The live ranks are stopped." if running else "No live ranks were running.")
     return None
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from helpers.kit import live_wire
-from helpers.launcher import diagnosis, live, live_rank, magic
+from helpers.launcher import diagnosis, live, live_rank, live_text, magic
 from helpers.launcher.api import WorkerFailed
 
 # ---------------------------------------------------------------------------- the wire
@@ -63,7 +63,7 @@ def test_a_cell_returns_its_last_expression_as_ipython_does(namespace):
                                                                                         b"")
     header, blob = live_rank.execute("x.sum()", "In[2]", namespace)
     assert header["status"] == "ok" and header["repr"] == "tensor(4.)"
-    assert torch.equal(live.unpack(header, blob), torch.tensor(4.0))
+    assert torch.equal(live_text.unpack(header, blob), torch.tensor(4.0))
     assert live_rank.execute("x.sum();", "In[3]", namespace)[0]["value"] is None  # a semicolon hides it
     assert live_rank.execute("world_size", "In[4]", namespace)[0]["repr"] == "2"
 
@@ -107,17 +107,17 @@ def test_sigint_interrupts_a_running_cell_and_is_ignored_between_cells(namespace
 
 def test_a_value_that_cannot_travel_comes_back_as_its_repr(namespace):
     header, blob = live_rank.execute("(v for v in range(3))", "In[10]", namespace)
-    value = live.unpack(header, blob)
-    assert isinstance(value, live.RemoteRepr) and repr(value).startswith("<generator object")
+    value = live_text.unpack(header, blob)
+    assert isinstance(value, live_text.RemoteRepr) and repr(value).startswith("<generator object")
     assert "pickle" in value.why
     broken = {"value": "pickle", "repr": "Thing()"}  # pickles on the rank, not here (a class only the rank has)
-    assert repr(live.unpack(broken, pickle.dumps(1)[:-3])) == "Thing()"
+    assert repr(live_text.unpack(broken, pickle.dumps(1)[:-3])) == "Thing()"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_a_gpu_tensor_travels_as_a_cpu_copy():
     header, blob = live_rank.pack(torch.ones(2, device="cuda"))
-    assert live.unpack(header, blob).device.type == "cpu"
+    assert live_text.unpack(header, blob).device.type == "cpu"
 
 
 # ---------------------------------------------------------------------------- the kernel side's rules
@@ -128,27 +128,27 @@ def test_a_gpu_tensor_travels_as_a_cpu_copy():
     ("0-2", [0, 1, 2]), ("1-1", [1]),
 ])
 def test_rank_lists(text, expected):
-    assert live.parse_ranks(text, 4) == expected
+    assert live_text.parse_ranks(text, 4) == expected
 
 
 @pytest.mark.parametrize("text, words", [("4", "no rank 4 in a group of 4"), ("2-1", "no rank 2-1"),
                                          ("x", "'x' is not a rank"), ("-1", "'-1' is not a rank")])
 def test_bad_rank_lists_are_refused(text, words):
     with pytest.raises(ValueError, match=words):
-        live.parse_ranks(text, 4)
+        live_text.parse_ranks(text, 4)
 
 
 def test_values_come_back_by_rank():
-    assert live.per_rank({0: 1, 1: 2}, 2) == [1, 2]
-    assert live.per_rank({1: 2}, 2) == {1: 2}  # a subset: keyed by rank, never mistaken for rank 0's
-    assert live.per_rank({0: None, 1: None}, 2) is None
-    assert live.per_rank({0: None, 1: None}, 2, keep_none=True) == [None, None]
+    assert live_text.per_rank({0: 1, 1: 2}, 2) == [1, 2]
+    assert live_text.per_rank({1: 2}, 2) == {1: 2}  # a subset: keyed by rank, never mistaken for rank 0's
+    assert live_text.per_rank({0: None, 1: None}, 2) is None
+    assert live_text.per_rank({0: None, 1: None}, 2, keep_none=True) == [None, None]
 
 
 def test_a_failed_cell_names_each_rank_and_shows_a_shared_traceback_once():
     reply = {"status": "error", "where": "In[3]:2 (in <module>)", "error": "ValueError: no",
              "traceback": 'Traceback (most recent call last):\n  File "In[3]", line 2, in <module>\nValueError: no'}
-    text = live.failure_message({0: reply, 1: reply}, {2: "finished the cell."})
+    text = live_text.failure_message({0: reply, 1: reply}, {2: "finished the cell."})
     assert text.splitlines()[:3] == ["rank 0 failed at In[3]:2 (in <module>): ValueError: no",
                                      "rank 1 failed at In[3]:2 (in <module>): ValueError: no",
                                      "rank 2 finished the cell."]
@@ -157,7 +157,7 @@ def test_a_failed_cell_names_each_rank_and_shows_a_shared_traceback_once():
 
 
 def test_a_broken_group_says_which_rank_is_stuck_and_how_to_recover():
-    text = live.broken_message({0: "waiting in dist.all_reduce at In[4]:2"})
+    text = live_text.broken_message({0: "waiting in dist.all_reduce at In[4]:2"})
     assert text.startswith("The process group is broken: rank 0 did not stop.")
     assert "rank 0: waiting in dist.all_reduce at In[4]:2" in text and "%ranks restart" in text
 
@@ -174,28 +174,28 @@ Current thread 0x00007f0000000002 (most recent call first):
 
 
 def test_a_dead_ranks_stack_is_cut_to_the_cells():
-    log = "about to crash\n" + DUMP.format(stdlib=live._LIBRARY_DIRS[0])
+    log = "about to crash\n" + DUMP.format(stdlib=live_text._LIBRARY_DIRS[0])
     sources = {("In[4]", 3): "    return ctypes.string_at(0)\n", ("In[5]", 1): "crash()\n"}
-    stack = live.cell_stack(log, lambda file, line: sources.get((file, line), ""))
+    stack = live_text.cell_stack(log, lambda file, line: sources.get((file, line), ""))
     assert stack.splitlines() == ['  File "In[5]", line 1, in <module>', "    crash()",
                                   '  File "In[4]", line 3, in crash', "    return ctypes.string_at(0)",
                                   '  File "ctypes/__init__.py", line 519, in string_at',
                                   "Fatal Python error: Segmentation fault"]
-    assert live.cell_stack("no dump here") is None
+    assert live_text.cell_stack("no dump here") is None
 
 
 def test_a_dead_ranks_error_keeps_the_diagnosis_and_says_how_to_recover():
     class Run:
         def __init__(self) -> None:
-            self.logs = {1: DUMP.format(stdlib=live._LIBRARY_DIRS[0])}
+            self.logs = {1: DUMP.format(stdlib=live_text._LIBRARY_DIRS[0])}
 
     failure = WorkerFailed("rank 1 failed first, with exit code -11 (SIGSEGV); no other rank is left running.\n"
                            "  where: In[4]:3 (in crash)\n--- last lines of output from rank 1 ---\n(40 lines)\n"
                            "--- logs of every rank: runs/x/ ---", rank=1, exitcode=-11, run=Run())
-    text = live.death_message(failure)
+    text = live_text.death_message(failure)
     assert text.startswith("rank 1 failed first, with exit code -11 (SIGSEGV)") and "where: In[4]:3" in text
     assert "(40 lines)" not in text and 'File "In[4]", line 3, in crash' in text
-    assert text.endswith("--- logs of every rank: runs/x/ ---\n" + live.RESTART)
+    assert text.endswith("--- logs of every rank: runs/x/ ---\n" + live_text.RESTART)
 
 
 def test_where_a_hung_rank_waits_is_its_cells_line():
@@ -228,9 +228,9 @@ def test_ranks_cell_refuses_bad_options_and_needs_started_ranks(monkeypatch):
         magic.ranks_cell("--bogus 1", "pass")
     with pytest.raises(ValueError, match="invalid float value"):
         magic.ranks_cell("--timeout soon", "pass")
-    with pytest.raises(live.RanksUnavailable, match="start them with %ranks start -n 2"):
+    with pytest.raises(live_text.RanksUnavailable, match="start them with %ranks start -n 2"):
         magic.ranks_cell("", "pass")
-    with pytest.raises(live.RanksUnavailable, match="start them with"):
+    with pytest.raises(live_text.RanksUnavailable, match="start them with"):
         magic.ranks_line("get x")
     with pytest.raises(ValueError, match="nproc must be a whole number"):
         live.LiveRanks(0)
