@@ -164,7 +164,7 @@ class LiveRanks:
         except OSError:
             data = b""
         if not data:
-            self._died()
+            self._died(rank)
         return self.readers[rank].feed(data)
 
     def _poll(self, seconds: float) -> None:
@@ -342,27 +342,28 @@ class LiveRanks:
                                                    for rank in self.busy}))
         self.answers.clear()
 
-    def _died(self) -> None:
-        """A rank's connection closed or the agent exited: follow the launch to its end (api.wait), which raises the
-        diagnosis (the rank that failed first, its exit code, traceback and line)."""
+    def _died(self, left: int | None = None) -> None:
+        """A rank's connection closed (rank `left`'s, if known) or the agent exited: follow the launch to its end
+        (api.wait), which raises the diagnosis (the rank that failed first, its exit code, traceback and line)."""
         __tracebackhide__ = True
         self.gone = f"The ranks are gone (a rank died). {RESTART}"
-        self._close_sockets()
+        self._close_sockets()  # ranks waiting for a cell see the connection close and leave too
         deadline = time.monotonic() + LEAVE_GRACE
         while self.job.agent.poll() is None and time.monotonic() < deadline:
             self._show()
             time.sleep(0.05)
-        if self.job.agent.poll() is None:  # a rank left without an error (exit(), os._exit(0)): the agent waits on
+        if self.job.agent.poll() is None:  # the agent still waits for ranks busy in a cell
             self._shut()
-            self.gone = f"A rank left without an error (exit code 0): the other ranks were stopped. {RESTART}"
-            raise RanksUnavailable(self.gone)
-        try:
-            wait([self.job], timeout=30)
-        except WorkerFailed as failure:
-            raise WorkerFailed(death_message(failure), rank=failure.rank, exitcode=failure.exitcode,
-                               run=failure.run, where=failure.where, error=failure.error,
-                               meaning=failure.meaning) from None
-        self.gone = f"The ranks exited (exit code 0). {RESTART}"
+        else:
+            try:
+                wait([self.job], timeout=30)
+            except WorkerFailed as failure:
+                raise WorkerFailed(death_message(failure), rank=failure.rank, exitcode=failure.exitcode,
+                                   run=failure.run, where=failure.where, error=failure.error,
+                                   meaning=failure.meaning) from None
+        who = "A rank" if left is None else f"Rank {left}"
+        self.gone = (f"{who} left without an error (exit code 0: sys.exit() or exit() in a cell ends a rank, as it "
+                     f"ends a script), and the other ranks were stopped. {RESTART}")
         raise RanksUnavailable(self.gone)
 
     def status(self) -> str:
