@@ -533,45 +533,74 @@ def traffic_table(checked: Checked | None, stage: str, step: int = -1) -> None:
 
 
 def event_order(checked: Checked | None, model: str = "mlp", step: int = 1, who: str = "impl") -> None:
-    """The collectives and markers of one step on rank 0, in the order they happened."""
+    """The collectives, waits and markers of one step on rank 0, in the order they happened."""
     if not _passed(checked, "zero3"):
         return
-    for event in checked.results[0]["models"][model][who]["steps"][step]:
+    events = checked.results[0]["models"][model][who]["steps"][step]
+    calls = {e["id"]: e for e in events if is_call(e)}
+    for event in events:
         if event["op"] == "mark":
             print(f"  -- {event['label']}" + (f" (full parameters held: {event['held']} B)" if "held" in event else ""))
+        elif event["op"] == "wait":
+            waited = calls.get(event["id"])
+            print(f"     wait for the {waited['op']} of {waited['bytes']} B" if waited else "     wait (earlier call)")
         else:
             print(f"  {event['op']:<22}{event['bytes']:>6} B" + ("  async" if event["async"] else ""))
 
 
-def holdings_figure() -> Any:
-    """Who holds what, per stage: a row per rank, a column per kind of state (a drawing of the design, not a run)."""
+KINDS = {"parameters": ("param_bytes", "tab:blue"), "gradients": ("grad_bytes", "tab:orange"),
+         "Adam state": ("state_bytes", "tab:green")}
+
+
+def holdings(runs: dict, model: str = "mlp") -> dict[str, dict[int, dict[str, int]]]:
+    """Bytes each rank's tensors held after the last step (gradients: after its backward), per stage: torch's DDP and
+    the ZeRO classes whose checks passed, read from the check runs in `runs`."""
+    out: dict[str, dict[int, dict[str, int]]] = {}
+    for stage, label in (("zero1", "ZeRO-1"), ("zero2", "ZeRO-2"), ("zero3", "ZeRO-3")):
+        checked = runs.get(stage)
+        if not checked:
+            continue
+        for rank, got in sorted(checked.results.items()):
+            for who, name in (("ddp", "DDP"), ("impl", label)):
+                record = got["models"][model][who]
+                out.setdefault(name, {})[rank] = {kind: record[key][-1] for kind, (key, _) in KINDS.items()}
+    return dict(sorted(out.items(), key=lambda item: ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3"].index(item[0])))
+
+
+def holdings_figure(runs: dict, model: str = "mlp") -> Any:
+    """Who holds what on each rank: a bar per rank and stage, its length the bytes its tensors held (read from the
+    check runs: parameters and Adam state after the last step, gradients after its backward). Where a rank holds
+    less than the whole of a kind, its part is drawn at its own place in the whole (rank r: the r-th part)."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
 
-    kinds = ("parameters", "gradients", "Adam state")
-    sharded = {"DDP": (), "ZeRO-1": ("Adam state",), "ZeRO-2": ("gradients", "Adam state"),
-               "ZeRO-3": kinds}
-    widths = {"parameters": 1, "gradients": 1, "Adam state": 2}
-    fig, axes = plt.subplots(1, 4, figsize=(11, 2.7), dpi=80, layout="constrained")
-    for ax, (stage, split) in zip(axes, sharded.items(), strict=True):
-        for rank in range(2):
-            x = 0.0
-            for kind in kinds:
-                width = widths[kind]
-                ax.add_patch(Rectangle((x, 1 - rank), width, 0.8, fill=False, ec="0.6"))
-                part = (x + rank * width / 2, width / 2) if kind in split else (x, width)
-                ax.add_patch(Rectangle((part[0], 1 - rank), part[1], 0.8,
-                                       color={"parameters": "tab:blue", "gradients": "tab:orange",
-                                              "Adam state": "tab:green"}[kind]))
-                x += width + 0.2
-            ax.text(-0.1, 1.4 - rank, f"rank {rank}", ha="right", va="center", fontsize=9)
-        ax.set(xlim=(-1.2, 4.6), ylim=(-0.1, 1.9), title=stage)
+    held = holdings(runs, model)
+    if not held:
+        print("(no results yet: no ZeRO check has passed)")
+        return None
+    fig, axes = plt.subplots(len(held), 1, figsize=(10, 0.9 + 0.95 * len(held)), dpi=80, layout="constrained",
+                             sharex=True, squeeze=False)
+    whole = held["DDP"][0]
+    for ax, (stage, ranks) in zip(axes[:, 0], held.items(), strict=True):
+        for row, (rank, kinds) in enumerate(sorted(ranks.items())):
+            x = 0
+            for kind, (_, colour) in KINDS.items():
+                full, got, y = whole[kind], kinds[kind], len(ranks) - 1 - row
+                ax.add_patch(Rectangle((x, y + 0.1), full, 0.8, fill=False, ec="0.7"))
+                start = x + rank * got if got < full else x
+                ax.add_patch(Rectangle((start, y + 0.1), min(got, full), 0.8, color=colour))
+                if got > full:  # more than the whole: the shard copies the optimizer updates
+                    ax.add_patch(Rectangle((x + full, y + 0.1), got - full, 0.8, color=colour, alpha=0.4, hatch="//"))
+                x += max(full, got) + 2500
+            ax.text(x, y + 0.5, f"{sum(kinds.values()):,} B", va="center", fontsize=9)
+            ax.text(-600, y + 0.5, f"rank {rank}", ha="right", va="center", fontsize=9)
+        ax.set(ylim=(0, len(ranks)), xlim=(-5000, 1.12 * x + 20000))
+        ax.set_title(stage, loc="left", fontsize=10)
         ax.axis("off")
-    fig.legend(handles=[Rectangle((0, 0), 1, 1, color=c) for c in ("tab:blue", "tab:orange", "tab:green")],
-               labels=["parameters (4 B per value)", "gradients (4 B)", "Adam state (8 B)"], fontsize=9,
-               loc="outside lower center", ncols=3)
+    fig.legend(handles=[Rectangle((0, 0), 1, 1, color=c) for _, c in KINDS.values()] +
+               [Rectangle((0, 0), 1, 1, color="0.6", alpha=0.4, hatch="//")],
+               labels=[*KINDS, "shard copies (beyond the whole)"], fontsize=9, loc="outside lower center", ncols=4)
     return fig
-
 
 
 def fsdp_comparison(checked: Checked | None) -> None:
@@ -639,3 +668,43 @@ def order_figure(checked: Checked | None, model: str = "mlp", step: int = 1) -> 
     ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in ("tab:blue", "tab:orange")],
               labels=["all-gather", "reduce-scatter"], fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     return fig
+
+
+def fsdp_by_the_same_rule(checked: Checked | None, model: str = "mlp", step: int = 1) -> str | None:
+    """torch's fully_shard, from the zero3 check run, judged by this lesson's prefetch rule; prints the verdict."""
+    if not _passed(checked, "zero3"):
+        return None
+    got = checked.results[0]["models"][model]
+    problem = _prefetch_problem(got["fsdp"]["steps"][step], got["units"], checked.results[0]["world_size"])
+    print(f"torch's fully_shard, step {step} on rank 0, read by the same rule: "
+          + (f"Not yet: {problem}" if problem else "it passes."))
+    return problem
+
+
+RING = {"all_reduce": 2, "reduce_scatter_single": 1, "all_gather_single": 1, "broadcast, one per owner": 1}
+DESIGNS = {"DDP: all-reduce": {"all_reduce": 1},
+           "ZeroRedundancyOptimizer: all-reduce + broadcasts": {"all_reduce": 1, "broadcast, one per owner": 1},
+           "our Zero1, Zero2: reduce-scatter + all-gather": {"reduce_scatter_single": 1, "all_gather_single": 1},
+           "our Zero3: reduce-scatter + 2 all-gathers": {"reduce_scatter_single": 1, "all_gather_single": 2}}
+
+
+def wire_table(wire_runs: dict[int, Any]) -> dict[int, dict[str, float]] | None:
+    """What each rank sent for one collective on gloo (zero_wire.py's runs, by world size) beside the ring formula
+    (N-1)/N per reduce-scatter, all-gather or broadcast of the whole, twice that per all-reduce; then a step of each
+    design: the measured collectives added up, in bytes sent per byte of the model, beside the same formula. Returns
+    the measured fractions (rank 0), or None where /proc/self/io could not be read."""
+    sent = {n: run.results[0]["sent"] for n, run in sorted(wire_runs.items())}
+    if any(value is None for value in sent.values()):
+        print("(not measured: this system has no /proc/self/io to count a process's writes)")
+        return None
+    head = "".join(f"{f'{n} ranks: gloo':>16}{'ring':>7}" for n in sent)
+    print(f"{'one collective, bytes sent per byte of the tensor':<52}{head}")
+    for op, weight in RING.items():
+        cells = "".join(f"{sent[n][op]:>16.2f}{weight * (n - 1) / n:>7.2f}" for n in sent)
+        print(f"  {op:<50}{cells}")
+    print(f"{'one step, bytes sent per byte of the model':<52}{head}")
+    for design, uses in DESIGNS.items():
+        cells = "".join(f"{sum(k * sent[n][op] for op, k in uses.items()):>16.2f}"
+                        f"{sum(k * RING[op] * (n - 1) / n for op, k in uses.items()):>7.2f}" for n in sent)
+        print(f"  {design:<50}{cells}")
+    return sent
