@@ -522,7 +522,7 @@ def traffic_table(checked: Checked | None, stage: str, step: int = -1) -> None:
     if not _passed(checked, stage):
         return
     for name, model in checked.results[0]["models"].items():
-        for who in ("ddp", "impl", "fsdp"):
+        for who in ("ddp", "impl", "fsdp") if stage == "zero3" else ("ddp", "impl"):
             if who in model:
                 counts = traffic(model[who]["steps"][step])
                 calls = ", ".join(f"{k.split(' ')[0]} {v} calls / {counts[k.replace('calls', 'bytes')]} B"
@@ -643,28 +643,40 @@ def ladder_table(results: dict) -> dict[str, list[float]]:
 
 
 def order_figure(checked: Checked | None, model: str = "mlp", step: int = 1) -> Any:
-    """One step of the zero3 run on rank 0, in issue order: a bar per collective (height: bytes), a line per marker."""
+    """One step of the zero3 run on rank 0, in issue order: a bar per collective (height: bytes, numbered), a dashed
+    line per marker, and a triangle "w<n>" below the axis where the class first waited for call n."""
     if not _passed(checked, "zero3"):
         return None
     import matplotlib.pyplot as plt
 
     events = checked.results[0]["models"][model]["impl"]["steps"][step]
-    fig, ax = plt.subplots(figsize=(10, 2.8), dpi=80, layout="constrained")
-    x, labels = 0, {}
+    fig, ax = plt.subplots(figsize=(10, 3.2), dpi=80, layout="constrained")
+    x, labels, number, waits = 0, {}, {}, []
     for event in events:
         if event["op"] == "mark":  # markers with no collective between them share one line
             labels.setdefault(x, []).append(event["label"].replace("forward end ", "fwd end ")
                                              .replace("forward start ", "fwd start ")
                                              .replace("backward start ", "bwd start "))
-            continue
-        ax.bar(x, event["bytes"], color="tab:blue" if event["op"].startswith("all_gather") else "tab:orange")
-        x += 1
+        elif event["op"] == "wait":
+            waits.append((x, number.get(event["id"])))
+        else:
+            number[event["id"]] = x + 1
+            ax.bar(x, event["bytes"], color="tab:blue" if event["op"].startswith("all_gather") else "tab:orange")
+            x += 1
     for at, names in labels.items():
         ax.axvline(at - 0.5, color="k", lw=0.8, ls="--")
         ax.text(at - 0.4, 0.97, "\n".join(names), va="top", fontsize=8, transform=ax.get_xaxis_transform())
+    grouped: dict[int, list[int]] = {}
+    for at, call in waits:
+        grouped.setdefault(at, []).append(call)
+    for at, calls in grouped.items():
+        ax.plot(at - 0.5, -0.17, marker="^", color="0.3", ms=6, clip_on=False, transform=ax.get_xaxis_transform())
+        ax.text(at - 0.5, -0.3, "w" + ",".join(map(str, calls)), ha="center", fontsize=8, color="0.3",
+                transform=ax.get_xaxis_transform())
     ax.set_xticks(range(x), [str(i + 1) for i in range(x)])
-    ax.set(xlabel="collectives of one step, in the order this rank issued them", ylabel="bytes (full tensor)",
-           xlim=(-1, x + 1.5))
+    ax.set(ylabel="bytes (full tensor)", xlim=(-1, x + 1.5))
+    ax.set_title("collectives of one step, numbered in the order this rank issued them; ▲ w<n>: where it waited for "
+                 "call n", fontsize=9, loc="left", pad=4)
     ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in ("tab:blue", "tab:orange")],
               labels=["all-gather", "reduce-scatter"], fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     return fig
@@ -708,3 +720,25 @@ def wire_table(wire_runs: dict[int, Any]) -> dict[int, dict[str, float]] | None:
                         f"{sum(k * RING[op] * (n - 1) / n for op, k in uses.items()):>7.2f}" for n in sent)
         print(f"  {design:<50}{cells}")
     return sent
+
+
+def recipe_model_blocks() -> int:
+    """Arithmetic, not a measurement (no GPU here): the bytes the CUDA caching allocator hands out for the recipe's
+    20 x Linear(2000, 2000), by its rules (constants: torch/include/c10/core/AllocatorConfig.h:19-25; rules:
+    c10/cuda/CUDACachingAllocator.cpp in PyTorch's source). round_size rounds a request up to 512 B;
+    get_allocation_size rounds a request of 10 MiB or more up to 2 MiB; should_split splits a large block only if more
+    than 1 MiB would remain; the peak statistic counts the allocated block. Prints the sum; returns it."""
+    min_block, small_size, round_large = 512, 1048576, 2097152
+    weight, bias = 4 * 2000 * 2000, 4 * 2000  # bytes of one Linear(2000, 2000)'s weight and bias
+    segment = -(-weight // round_large) * round_large
+    remainder = segment - weight
+    weight_block = segment if remainder <= small_size else weight  # not split: the block stays whole
+    bias_block = -(-bias // min_block) * min_block
+    blocks = 20 * (weight_block + bias_block)
+    # this would fail if the rules above did not land on the recipe's printed 'model created' figure
+    assert remainder <= small_size and blocks // 1e6 == RECIPE_MB["model created"][0]
+    print(f"A weight of {weight:,} B gets a block of {weight_block:,} B ({remainder:,} B left over, under 1 MiB: not "
+          f"split); a bias of {bias:,} B gets {bias_block:,} B. 20 layers: {blocks:,} B, {blocks // 1e6:.0f} MB as the "
+          f"recipe prints it (// 1e6), its 'model created' figure; the leftovers alone are 20 x {remainder:,} B = "
+          f"{20 * remainder / 1e6:.1f} MB.")
+    return blocks

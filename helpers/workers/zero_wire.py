@@ -9,6 +9,7 @@ hands back the smallest difference as a fraction of the tensor's bytes: all_redu
 all_gather_single, and one broadcast per owner of a shard (how ZeroRedundancyOptimizer shares its updates).
 This worker always uses gloo on CPU tensors: it measures gloo's implementation. NCCL's traffic goes through GPU
 memory, NVLink or RDMA, where a count of the process's writes cannot see it. Without /proc/self/io it reports None.
+Works with one process (which sends nothing).
 """
 import argparse
 import os
@@ -17,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from helpers.kit.distributed import init_distributed
 from helpers.kit.reporting import result
 
 IO = Path("/proc/self/io")
@@ -42,8 +44,7 @@ def main() -> None:
     parser.add_argument("--mib", type=float, default=4.0)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    dist.init_process_group("gloo")  # on purpose, also on a machine with GPUs: this measures gloo
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    _, world_size, _ = init_distributed("gloo")  # gloo on purpose, also on a machine with GPUs: it measures gloo
     values = int(args.mib * 2**20) // 4 // world_size * world_size
     full, shard = torch.ones(values), torch.ones(values // world_size)
     operations = {
