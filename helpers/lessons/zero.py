@@ -529,7 +529,7 @@ def traffic_table(checked: Checked | None, stage: str, step: int = -1) -> None:
                                   for k, v in counts.items() if k.endswith("calls"))
                 label = {"ddp": "torch DDP", "impl": f"{stage} (ours)", "fsdp": "torch fully_shard"}[who]
                 print(f"{name:<5} {label:<18} weighted {counts['volume']:>6} B = "
-                      f"{counts['volume'] / (4 * sum(model['numels'])):.2f} x 4Ψ   [{calls}]")
+                      f"{counts['volume'] / (4 * sum(model['numels'])):.2f}Ψ   [{calls}]")
 
 
 def event_order(checked: Checked | None, model: str = "mlp", step: int = 1, who: str = "impl") -> None:
