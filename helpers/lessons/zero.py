@@ -517,8 +517,9 @@ def memory_table(checked: Checked | None, stage: str) -> None:
 
 
 def traffic_table(checked: Checked | None, stage: str, step: int = -1) -> None:
-    """One step's collectives per model: ours (from the check run) beside torch's DDP in the same run. "weighted":
-    the bytes handed to the collectives, an all-reduce's counted twice (the ZeRO paper's units; see traffic)."""
+    """One step's collectives per model: ours (from the check run) beside torch's DDP in the same run (and, for zero3,
+    FSDP2's fully_shard). "weighted": the bytes handed to the collectives, an all-reduce's counted twice (the ZeRO
+    paper's convention; see traffic), then divided by 4 bytes per value: in Ψ, the model's values."""
     if not _passed(checked, stage):
         return
     for name, model in checked.results[0]["models"].items():
