@@ -518,4 +518,10 @@ CRASHING = {  # each crashes its launch, so each runs alone
 class Zero2(Base):
     step = Base.__mro__[1].step  # Zero1's step: reduce-scatters p.grad, which the hook has freed
 '''), "AttributeError: 'NoneType' object has no attribute 'detach'"),
+    "zero3: copies into a freed parameter without alloc_storage (the walkthrough's noalloc: a segfault)": (
+        "zero3", mutated(("            alloc_storage(p)\n            p.data.copy_(full[: p.numel()].view_as(p))",
+                          "            p.data.copy_(full[: p.numel()].view_as(p))")),
+        "(exit code -11: killed by a signal, so no Python traceback): Fatal Python error: Segmentation fault. What it "
+        "means: the process touched memory it does not own; in this lesson that is usually a copy into a parameter "
+        "whose storage free_storage emptied: call alloc_storage(p) before copying in."),
 }

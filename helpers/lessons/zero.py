@@ -442,6 +442,9 @@ def crash_message(error: WorkerFailed, what: str) -> str:
                          "(an all-gather's output world_size times its input's); a parameter whose size does not "
                          "divide by the world size must be padded with zeros first (padded_flat), so that every "
                          "rank's shard has the same size")
+    elif getattr(error, "meaning", None) is None and getattr(error, "exitcode", None) == -11:  # SIGSEGV
+        error.meaning = ("the process touched memory it does not own; in this lesson that is usually a copy into a "
+                         "parameter whose storage free_storage emptied: call alloc_storage(p) before copying in")
     text = explain_crash(error, what)
     if isinstance(error, LaunchTimeout):
         text += (" A collective that only some ranks call waits for the others until the timeout (is one inside "

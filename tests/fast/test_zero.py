@@ -175,3 +175,12 @@ def test_the_lesson_keeps_its_main_line_short_and_its_citations_folded():
         assert absent not in everything, absent  # a student copy has none of these
     for cell in notebook["cells"]:  # no listing over 40 lines in the main line
         assert cell["cell_type"] == "markdown" or len("".join(cell["source"]).splitlines()) <= 40
+
+
+def test_a_segfault_points_at_a_copy_into_freed_storage():
+    error = WorkerFailed("...", rank=0, exitcode=-11, run=RUN, where="my_zero3.py:36 (in _gather)",
+                         error="Fatal Python error: Segmentation fault")
+    text = crash_message(error, "the zero3 check of my_zero3.py")
+    assert "at my_zero3.py:36 (in _gather) (exit code -11: killed by a signal" in text, text
+    assert "What it means: the process touched memory it does not own; in this lesson that is usually a copy into a " \
+           "parameter whose storage free_storage emptied: call alloc_storage(p) before copying in." in text, text
