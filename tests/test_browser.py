@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -159,10 +160,22 @@ def _open(browser, lab, name: str):
 def _close(page, lab) -> None:
     """Shut the notebook's kernel down (as File > Close and Shut Down does) and close the page: the kernel
     and everything it started must be gone."""
-    _, server = lab
+    url, server = lab
     kernel = _own_kernel(page, server)
     tree = {p.pid for p in [kernel, *kernel.children(recursive=True)]}
-    page.evaluate("() => window.jupyterapp.shell.currentWidget.sessionContext.shutdown()")
+    kernel_id = page.evaluate("() => window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.id")
+    # JupyterLab's shutdown can reject ("Unhandled error") right after a kernel restart; then shut the kernel down
+    # through the server's REST API, as JupyterLab's running-kernels panel does. Either way everything must go.
+    refused = page.evaluate("""async () => {
+        try { await window.jupyterapp.shell.currentWidget.sessionContext.shutdown(); return null; }
+        catch (error) { return String(error); } }""")
+    if refused:
+        request = urllib.request.Request(f"{url}/api/kernels/{kernel_id}?token={TOKEN}", method="DELETE")
+        try:
+            urllib.request.urlopen(request, timeout=30)
+        except urllib.error.HTTPError as error:  # 404: the refused shutdown had ended the kernel after all
+            if error.code != 404:
+                raise
     page.close()
     deadline = time.monotonic() + 30
     while _descendants_alive(tree) and time.monotonic() < deadline:
