@@ -17,7 +17,7 @@ from torch.distributed.fsdp import fully_shard
 from helpers.kit.distributed import init_distributed
 from helpers.kit.faster_step import GraphCounter, build_model, digits_batches, prepare_compile, release, still_working
 from helpers.kit.reporting import progress, result
-from helpers.kit.zero import CommLog
+from helpers.kit.zero import CommLog, is_call
 
 WIDTH, DEPTH, STEPS = 512, 3, 3
 
@@ -37,7 +37,7 @@ def train(model, batches, log: CommLog) -> dict:
     for batch in batches:
         model.zero_grad(set_to_none=True)
         torch.nn.functional.cross_entropy(model(batch[0]), batch[1]).backward()
-        steps.append([{"op": e["op"], "bytes": e["bytes"]} for e in log.take()])
+        steps.append([{"op": e["op"], "bytes": e["bytes"]} for e in log.take() if is_call(e)])  # not the waits
     gradients = [p.grad.to_local().detach().clone() for p in model.parameters()]
     return {"steps": steps, "gradients": gradients}
 
