@@ -155,6 +155,10 @@ def test_with_torchs_store_opt_out_a_replaced_agent_rejoins_and_the_run_is_exact
     from TORCHELASTIC_RESTART_COUNT would differ between the two; with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torch
     gives the new round a fresh store and the worker joins with a plain init_process_group."""
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # the agents inherit it
+    # One thread per worker, as in the reference run (2 ranks on one node get OMP_NUM_THREADS=1 from the launcher;
+    # an agent with one rank leaves torch's default, 2 threads here). With 2 threads MKL's matmul for fc1's weight
+    # gradient sums in another order on this machine (AMD EPYC), so the weights differed in their last bits.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     port = free_port()
     common = dict(nproc=1, nnodes=2, max_restarts=1, rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}",
                   rdzv_id="replaced", echo=False)
