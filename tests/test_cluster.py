@@ -355,24 +355,30 @@ def test_shared_memory_exercise_accepts_the_solution_in_place_or_returned(capsys
 
 
 def _pytorch_job_fails(restarts: int, backoff_limit: int) -> bool:
-    """The Training Operator's PastBackoffLimit (release-1.9, pkg/core/job.go): container restarts >= limit."""
-    return restarts >= backoff_limit
+    """Our transcription, not run here, of the Training Operator's PastBackoffLimit (kubeflow/training-operator,
+    pkg/core/job.go): the job fails once the container restarts of its running pods add up to backoffLimit."""
+    return restarts > 0 if backoff_limit == 0 else restarts >= backoff_limit
 
 
 def _job_fails(failed_pods: int, backoff_limit: int) -> bool:
-    """Kubernetes' Job controller: the Job fails when its failed pods exceed backoffLimit."""
+    """Our transcription, not run here, of Kubernetes' Job controller for pods that never restart
+    (pkg/controller/job/job_controller.go: exceedsBackoffLimit := failed > backoffLimit)."""
     return failed_pods > backoff_limit
 
 
 @pytest.mark.parametrize("nodes", [1, 2, 4])
-def test_the_jobs_survive_one_failure_that_takes_every_agent_down(nodes):
-    """A failure of pod 0 (the rendezvous host) takes every agent down: `nodes` container restarts or failed
-    pods. A backoffLimit copied from --max-restarts (1) fails a 2-node PyTorchJob at its first restart."""
+def test_default_backoff_limit_is_nodes_plus_one_the_least_that_survives_one_failure_of_every_agent(nodes):
+    """What this pins: our backoffLimit (nodes + 1 by default, or JobSize.backoff_limit), judged by the two
+    controllers' rules as transcribed above (no controller runs here). A failure of pod 0 (the rendezvous host)
+    takes every agent down: `nodes` container restarts or failed pods. A backoffLimit copied from --max-restarts
+    (1) would fail a 2-node PyTorchJob at its first restart."""
     size = JobSize(nodes=nodes, max_restarts=1)
     limit = pytorch_job("t", IMAGE, "train.py", size)["spec"]["runPolicy"]["backoffLimit"]
+    assert limit == nodes + 1
     assert not _pytorch_job_fails(nodes, limit) and _pytorch_job_fails(nodes + 1, limit)
+    assert _pytorch_job_fails(nodes, limit - 1), "nodes + 1 is the least limit that survives such a failure"
     limit = indexed_job("t", IMAGE, "train.py", size)["job"]["spec"]["backoffLimit"]
-    assert not _job_fails(nodes, limit)
+    assert limit == nodes + 1 and not _job_fails(nodes, limit)
     assert pytorch_job("t", IMAGE, "train.py", JobSize(nodes=nodes, backoff_limit=7))[
         "spec"]["runPolicy"]["backoffLimit"] == 7
 
