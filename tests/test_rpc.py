@@ -1,6 +1,7 @@
 """Lesson 05's library and the exercise's check. The RPC workers are launched, and asserted, by the lesson
-(notebooks/05_rpc.ipynb, under pytest --nbval); here only what the lesson does not check: that the counter check
-says "Correct" to the solution and "Not yet", naming the mistake, to each wrong variant."""
+(notebooks/05_rpc.ipynb, under pytest --nbval); here only what the lesson does not check: that the counter check says
+"Correct" to the solution and "Not yet", naming the mistake, to each wrong variant. What launches nothing is tested
+in tests/fast/test_rpc_no_launch.py."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from helpers import WORKERS
-from helpers.kit.rpc import worker_name
 from helpers.lessons.rpc import check_counter
 
 SOLUTION = (WORKERS / "rpc_counter_solution.py").read_text()
@@ -18,10 +18,6 @@ SOLUTION = (WORKERS / "rpc_counter_solution.py").read_text()
 def _runs_in_tmp(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("LESSONS_DATA", "digits")
-
-
-def test_worker_names_by_rank():
-    assert [worker_name(rank) for rank in range(3)] == ["ps", "trainer1", "trainer2"]
 
 
 def _variant(tmp_path: Path, name: str, *replacements: tuple[str, str]) -> str:
