@@ -1,7 +1,9 @@
-"""The lessons as a learner meets them: JupyterLab in a real (headless) Chromium.
+"""The lessons as a learner meets them: JupyterLab in a real (headless) Chromium. Every test here is in the slow set
+(README, "More checks"): `pytest --nbval` leaves them out, .ci/run runs them after it.
 
-    pytest tests/test_browser.py             # smoke set (lesson 00, live output, interrupt, restart): ~2 min
-    pytest -m slow tests/test_browser.py     # Run All of every lesson, from blank copies (.ci/run does this)
+    pytest -m slow tests/test_browser.py -k "not run_all"    # the smoke set: a worker link, live output, interrupt,
+                                                              # kernel restart, the explorers (about a minute)
+    pytest -m slow tests/test_browser.py                     # and Run All of every lesson, from blank copies
 
 Needs Chromium from the system's packages (`apt-get install chromium`) and the `playwright` Python
 package, which drives it through `executable_path` (no browser download). Without them every test here
@@ -28,7 +30,8 @@ from helpers.tools import workshop
 
 CHROMIUM = os.environ.get("LESSONS_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
 playwright = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium found (apt-get install chromium)")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(CHROMIUM is None, reason="no Chromium found (apt-get install chromium)")]
 LESSONS = sorted(p.name for pattern in ("[0-9][0-9]_*.ipynb", "A[0-9]_*.ipynb")  # lessons, then appendices
                  for p in (ROOT / "notebooks").glob(pattern))
 BUDGET_SECONDS = 360  # one lesson's Run All; nbval's budget is about 3 minutes on a quiet 2-core machine
@@ -257,7 +260,6 @@ def run_all(browser, lab, name: str) -> float:
     return seconds
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", LESSONS)
 def test_run_all_lesson(browser, lab, name):
     seconds = run_all(browser, lab, name)

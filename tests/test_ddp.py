@@ -1,8 +1,8 @@
-"""Lesson 02's helpers (helpers.lessons.ddp, helpers.kit.data) and the exercise's check. The lesson's workers are
-launched, and asserted, by the lesson (notebooks/02_ddp.ipynb, under pytest --nbval); here only what the lesson does
-not check: ddp_train.py's --steps and its one-process command, the article fixed in full, and that the exercise's
-check says "Not yet" to wrong workers and "Correct" to the solution. What launches nothing is tested in
-tests/fast/test_ddp_no_launch.py."""
+"""Lesson 02's launches that the lesson does not assert: ddp_train.py's --steps and its one-process command, the
+one-process reference of the exercise's check, and the check's "Not yet" to wrong workers (a missing DDP, a wrong
+batch, a shuffled sampler, a missing or unaveraged all_reduce, a hang, a collective on rank 0 only, prints on every
+rank). The check on the starting code and on both solutions is asserted by the lesson (notebooks/02_ddp.ipynb,
+nbval's Cells 41 and 42); what launches nothing is in tests/fast/test_ddp_no_launch.py."""
 import os
 import subprocess
 import sys
@@ -33,14 +33,6 @@ def test_ddp_train_runs_as_a_plain_python_script():
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr
     assert "1 rank(s), backend gloo" in done.stdout and "epoch 0:" in done.stdout
-
-
-def test_exercise_check_says_not_yet_on_the_start_and_correct_on_both_solutions(capsys):
-    assert not check_ddp_worker(WORKERS / "ddp_exercise_single.py")
-    assert "\nNot yet: the ranks trained on [256, 256] samples" in capsys.readouterr().out
-    for solution in ("ddp_exercise_solution.py", "ddp_exercise_by_hand_solution.py"):
-        assert check_ddp_worker(WORKERS / solution), solution
-        assert "\nCorrect: " in capsys.readouterr().out
 
 
 def _attempt(tmp_path, solution: str, mistake: str, replacement: str):
@@ -80,13 +72,14 @@ def test_exercise_check_says_where_each_rank_waits_when_the_script_hangs(tmp_pat
     # broadcast that rank 1 never joins, and rank 1 waits in an all_reduce that rank 0 never reaches.
     mistake = "        dist.broadcast(parameter.data, src=0)"
     script = _attempt(tmp_path, "ddp_exercise_by_hand_solution.py", mistake, "        if rank == 0:\n    " + mistake)
-    assert not check_ddp_worker(script, timeout=20)
+    assert not check_ddp_worker(script, timeout=8)  # both ranks wait within a second or two of the start
     out = capsys.readouterr().out
     assert out.startswith("Running attempt.py on 2 ranks") and "press Stop (■)" in out.splitlines()[0]
     verdict = out[out.index("Not yet: "):]
-    assert verdict.startswith("Not yet: your script was still running after 20 s")
+    assert verdict.startswith("Not yet: your script was still running after 8 s")
     # each rank's location, not the bare "Full stacks: runs  Logs: runs" the old message left
-    assert "rank 0: " in verdict and "rank 1: " in verdict and "attempt.py" in verdict
+    assert "rank 0: waiting in dist.broadcast at attempt.py:" in verdict, verdict
+    assert "rank 1: waiting in dist.all_reduce at attempt.py:" in verdict, verdict
 
 
 def test_exercise_check_says_print_only_on_rank_0(tmp_path, capsys):

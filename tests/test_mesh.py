@@ -1,5 +1,7 @@
 """Lesson 10 (meshes): helpers/kit/transformer.py, helpers/lessons/mesh.py and the mesh_* workers, at the smallest
-sizes. What launches nothing is tested in tests/fast/test_mesh_no_launch.py."""
+sizes. What launches nothing is tested in tests/fast/test_mesh_no_launch.py. The two exercise checks on their
+starting code and on their solutions are asserted by the lesson (notebooks/10_meshes.ipynb, nbval's Cells 34 and 36
+for the TP plan, including "backward one", and Cells 38 and 39 for mesh_for); here, the wrong answers."""
 import subprocess
 import sys
 from pathlib import Path
@@ -27,9 +29,14 @@ HEADER = "from torch.distributed.tensor.parallel import ColwiseParallel, Rowwise
          "from torch.distributed.tensor import Replicate, Shard\n"
 
 
+@pytest.fixture
+def keep_the_launch_server(monkeypatch):
+    """mesh_groups stops the kernel's launch server before its child imports torch (lesson 10's memory budget; the
+    lesson's Cell 39 shows it). Here the other tests' launches would pay a new server's start for it."""
+    monkeypatch.setattr("helpers.launcher.api.stop_launch_server", lambda before=None: None)
+
+
 @pytest.mark.parametrize("plan, words", [
-    ('PLAN = {"w1": ColwiseParallel(), "w2": RowwiseParallel()}', "Correct:"),
-    ("PLAN = {}", "a plain tensor, whole on every rank"),  # the starting code
     ('PLAN = {"w1": ColwiseParallel(), "w2": ColwiseParallel()}', "torch refused the plan"),
     ('PLAN = {"w1": RowwiseParallel(), "w2": ColwiseParallel()}', "torch refused the plan"),
     ('PLAN = {"w1": ColwiseParallel(output_layouts=Replicate()), "w2": RowwiseParallel(input_layouts=Replicate())}',
@@ -42,11 +49,8 @@ HEADER = "from torch.distributed.tensor.parallel import ColwiseParallel, Rowwise
 def test_exercise_check_on_real_launches(plan, words, tmp_path, capsys):
     plan_file = tmp_path / "my_mlp_plan.py"
     plan_file.write_text(HEADER + plan + "\n")
-    assert check_mlp_plan(plan_file) == (words == "Correct:")
-    out = capsys.readouterr().out
-    assert words in out
-    if words == "Correct:":  # the check's input requires grad, so the input's gradient costs one all-reduce
-        assert "backward one" in out
+    assert not check_mlp_plan(plan_file)
+    assert words in capsys.readouterr().out
 
 
 def test_layouts_match_one_process_and_the_plan():
@@ -129,7 +133,6 @@ def test_measure_launch_counts_the_workers_and_agents_a_run_recorded():
 
 
 @pytest.mark.parametrize("mesh_for, words", [
-    (lambda nodes, gpus: ((nodes, gpus), ("dp", "tp")), "Correct:"),
     (lambda nodes, gpus: ((nodes * gpus,), ("dp",)), "named the dimensions"),  # the starting code
     (lambda nodes, gpus: None, "not (mesh_shape, mesh_dim_names)"),
     (lambda nodes, gpus: ((nodes, gpus + 1), ("dp", "tp")), "ranks;"),
@@ -138,11 +141,11 @@ def test_measure_launch_counts_the_workers_and_agents_a_run_recorded():
 ])
 
 
-def test_mesh_for_check_says_what_is_wrong(mesh_for, words, capsys):
-    assert check_mesh_for(mesh_for) == (words == "Correct:")
+def test_mesh_for_check_says_what_is_wrong(mesh_for, words, capsys, keep_the_launch_server):
+    assert not check_mesh_for(mesh_for)
     assert words in capsys.readouterr().out
 
 
-def test_mesh_groups_are_torchs_row_by_row_layout():
+def test_mesh_groups_are_torchs_row_by_row_layout(keep_the_launch_server):
     groups = mesh_groups((2, 3), ("dp", "tp"))
     assert groups[4] == {"dp": [1, 4], "tp": [3, 4, 5]}

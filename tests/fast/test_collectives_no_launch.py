@@ -89,3 +89,11 @@ def test_exercise_check_refuses_a_star_import(tmp_path, capsys):
 def test_exercise_check_does_not_refuse_names_that_are_not_torch_collectives(source):
     from helpers.lessons.collectives import _collective_used
     assert _collective_used(source) is None
+
+
+def test_exercise_check_refuses_a_stub_that_calls_all_gather(tmp_path, capsys):
+    """Refused before anything launches. That the solution passes is asserted by lesson 01 (nbval's Cell 41)."""
+    cheat = tmp_path / "cheat.py"
+    cheat.write_text("import torch.distributed as dist\ndist.all_gather([], None)\n")
+    assert not check_all_gather(cheat)
+    assert "without calling dist.all_gather" in capsys.readouterr().out
