@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import WorkerFailed, launch, transformer
+from helpers import WorkerFailed, launch
+from helpers.kit import transformer
 from helpers.lessons.mesh import (
     agrees_with_commdebugmode,
     check_mesh_for,

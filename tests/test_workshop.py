@@ -9,4 +9,3 @@ def test_preflight_passes_here_and_launches(capsys):
     assert preflight.check_loopback()[0] == "OK"
     assert preflight.check_runs_folder()[0] == "OK"
 
-

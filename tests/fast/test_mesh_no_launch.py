@@ -4,7 +4,7 @@ judge, checkpoint chunks."""
 import pytest
 import torch
 
-from helpers import transformer
+from helpers.kit import transformer
 from helpers.lessons.mesh import (
     agrees_with_commdebugmode,
     checkpoint_chunks,
