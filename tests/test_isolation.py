@@ -1,5 +1,6 @@
 """On one host, a learner's job is reachable by any other process on the same loopback; its own network
-namespace closes that. What docs/facilitator.md ("Isolation between learners") rests on."""
+namespace closes that. What docs/facilitator.md ("Isolation between learners") rests on. In the slow set (README,
+"More checks"): `pytest -m slow tests/test_isolation.py`; .ci/run runs it after `pytest --nbval`."""
 from __future__ import annotations
 
 import shutil
@@ -12,6 +13,7 @@ import pytest
 
 from helpers import REPO_ROOT, start, wait
 
+pytestmark = pytest.mark.slow
 NEIGHBOUR = REPO_ROOT / "tests" / "workers" / "store_neighbour.py"
 # A process that is not part of the job: it only knows the port, as a scan of 127.0.0.1 would find it.
 STRANGER = """

@@ -5,7 +5,8 @@ own munge socket and key), so it touches nothing of a Slurm the machine may alre
 GPUs as GRES backed by /dev/null and /dev/zero: the script is the one generated for a GPU cluster
 (`#SBATCH --gpus-per-node=2`) and Slurm must accept that request; the job's workers then run on the CPU with
 gloo (torch finds no CUDA device). Skipped, with the reason, where the Slurm daemons or root are missing:
-`apt-get install slurmctld slurmd slurm-client munge` (Debian 12) provides them.
+`apt-get install slurmctld slurmd slurm-client munge` (Debian 12) provides them. In the slow set (README, "More
+checks"): `pytest -m slow tests/test_slurm.py`; .ci/run runs it after `pytest --nbval`.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import pytest
 from helpers import REPO_ROOT, free_port
 from helpers.lessons.cluster import JobSize, check_slurm_script, write_job_files
 
+pytestmark = pytest.mark.slow
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "sinfo")
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
          "PREEMPTED"}
