@@ -129,9 +129,11 @@ def block_flops(batch: int, heads: int, rows: int, head_dim: int) -> int:
     return 2 * 2 * batch * heads * rows * rows * head_dim
 
 
-# what a learner's ring may get wrong, each simulated in one process (the check names the one an output matches)
+# what a learner's ring may get wrong, each simulated in one process (the check names the one an output matches).
+# "sent the other way round" (blocks travel to rank - 1, taken for rank (rank - s)'s) gives the same outputs as a
+# ring that sends the right way but takes the block at step s for rank (rank + s)'s: over all steps, the same pairs.
 MISTAKES = ("no diagonal mask", "blocks above the diagonal computed", "sent the other way round",
-            "labelled the other way round", "sum of blocks, not merged")
+            "sum of blocks, not merged")
 
 
 def simulated_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_layout: list[list[int]], causal: bool,
@@ -149,7 +151,7 @@ def simulated_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_layo
         for step in range(world_size if steps is None else steps):
             # whose keys arrive at this step, and whose the ring's code takes them for
             holder = (rank + step if mistake == "sent the other way round" else rank - step) % world_size
-            label = (rank + step if mistake == "labelled the other way round" else rank - step) % world_size
+            label = (rank - step) % world_size
             theirs = chunk_layout[label]
             keys = k[..., positions(chunk_layout[holder], seq, n_chunks), :].chunk(len(theirs), dim=-2)
             values = v[..., positions(chunk_layout[holder], seq, n_chunks), :].chunk(len(theirs), dim=-2)

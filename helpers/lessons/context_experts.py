@@ -66,7 +66,7 @@ def _merge_cases() -> list[tuple[str, tuple, tuple]]:
     """(what, the two blocks' (out, lse, out, lse), the truth (out, lse)) for the merge check."""
     generator = torch.Generator().manual_seed(0)
     cases = []
-    for what, scale in (("ordinary scores", 1.0), ("large scores (log-sum-exp near 200)", 25.0)):
+    for what, scale in (("ordinary scores", 1.0), ("large scores (log-sum-exp up to 276)", 80.0)):
         q = torch.randn(1, 2, 5, 8, generator=generator) * scale
         k, v = torch.randn(1, 2, 12, 8, generator=generator), torch.randn(1, 2, 12, 8, generator=generator)
         first = block_attention(q, k[..., :7, :], v[..., :7, :])
@@ -89,13 +89,13 @@ def merge_problem(merge: Any) -> str | None:
             return (f"merge returned out of shape {list(out.shape)} and lse of shape {list(lse.shape)}; both blocks'"
                     f" shapes are {list(want_out.shape)} and {list(want_lse.shape)}")
         if not (torch.isfinite(out).all() and torch.isfinite(lse).all()):
-            return (f"with {what} merge returned inf or nan: exp of a log-sum-exp near 200 overflows float32 (its "
-                    "largest value is 3.4e38, exp(89)); subtract the larger lse before exp, or use torch.logaddexp")
+            return (f"with {what} merge returned inf or nan: exp(lse) overflows float32 above lse = 88 (its largest "
+                    "value is 3.4e38); subtract the larger lse before exp, or use torch.logaddexp")
         out_1, lse_1, out_2, lse_2 = blocks
         if (out - want_out).abs().max() > TRUTH:
             hint = _merge_hint(out, (out_1, lse_1, out_2, lse_2))
             return f"with {what} the merged output differs from attention over both blocks" + hint
-        if (lse - want_lse).abs().max() > TRUTH:
+        if ((lse - want_lse).abs() / want_lse.abs().clamp_min(1)).max() > TRUTH:  # relative: float32 near 276
             if torch.allclose(lse, torch.maximum(lse_1, lse_2)):
                 return ("the merged output is right but the new lse is the larger of the two: it must be "
                         "log(exp(lse) + exp(block_lse)), what the next block's merge weighs against")
@@ -140,7 +140,7 @@ def check_merge(path: str | Path) -> bool:
         return not_yet(problem)
     worst = max(float((merge(*blocks)[0] - want[0]).abs().max()) for _, blocks, want in _merge_cases())
     return correct(f"merge gives attention over both blocks, output and log-sum-exp, for ordinary scores and for "
-                   f"scores whose log-sum-exp is near 200 (largest difference {worst:.1g} < {TRUTH:g}).")
+                   f"scores whose log-sum-exp reaches 276 (largest difference {worst:.1g} < {TRUTH:g}).")
 
 
 # --------------------------------------------------------------------------------------------- exercises 2 and 3
@@ -150,10 +150,11 @@ MISTAKE_ADVICE = {
                          "i of the block may see keys 0..i only (block_attention(..., diagonal=True))"),
     "blocks above the diagonal computed": ("a ring that also uses the blocks above the diagonal (key chunks that "
                                            "come after the query chunk): no query may see those keys, skip them"),
-    "sent the other way round": ("a ring whose blocks travel to rank - 1 while the code takes the block at step s "
-                                 "for rank (rank - s)'s: send to rank + 1 and receive from rank - 1"),
-    "labelled the other way round": ("a ring that takes the block at step s for rank (rank + s)'s: it came from "
-                                     "rank (rank - s) mod N, whose chunks are layout[(rank - s) % N]"),
+    "sent the other way round": ("a ring that takes the block it holds at step s for another rank's: sending to "
+                                 "rank + 1 and receiving from rank - 1, the block at step s is rank (rank - s) mod "
+                                 "N's, whose chunks are layout[(rank - s) % N] (a ring that sends to rank - 1 but "
+                                 "labels the blocks that way gives this same output, as does one that labels them "
+                                 "(rank + s))"),
     "sum of blocks, not merged": "the sum of the blocks' outputs: merge them by the log-sum-exp rule (exercise 1)",
 }
 
@@ -168,12 +169,12 @@ def ring_problem(per_rank: dict[int, dict], causal: bool) -> str | None:
     if "error" in first:
         return f"the check ran into {first['error']}"
     for kind in first:
-        for rank, graded in sorted(per_rank.items()):
-            got = graded[kind]
-            world_size = len(got["layout"])
-            problem = _output_problem(got, causal) or _gradient_problem(got) or _work_problem(got, causal)
-            if problem:
-                return f"{_where(rank, kind, world_size)}: {problem}"
+        for find in (lambda got: _output_problem(got, causal), _gradient_problem,  # outputs on every rank first
+                     lambda got: _work_problem(got, causal)):
+            for rank, graded in sorted(per_rank.items()):
+                problem = find(graded[kind])
+                if problem:
+                    return f"{_where(rank, kind, len(graded[kind]['layout']))}: {problem}"
     return None
 
 
