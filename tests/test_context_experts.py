@@ -57,11 +57,13 @@ RING_MUTANTS = {
 
 CAUSAL_MUTANTS = {
     "no causal mask on the diagonal block": (
-        [("            elif b == a:\n                yield i, j, True", "            elif b == a:\n                yield i, j, False")],
+        [("            elif b == a:\n                yield i, j, True",
+          "            elif b == a:\n                yield i, j, False")],
         "the output equals a ring that does not mask the diagonal block"),
     "uses the blocks above the diagonal, unmasked": (
         [("            elif b == a:\n                yield i, j, True\n",
-          "            elif b == a:\n                yield i, j, True\n            else:\n                yield i, j, False\n")],
+          "            elif b == a:\n                yield i, j, True\n"
+          "            else:\n                yield i, j, False\n")],
         "the output equals a ring that also uses the blocks above the diagonal"),
     "sends to rank - 1, receives from rank + 1": (
         [("[dist.isend(tensor, (rank + 1) % world_size), dist.irecv(received, (rank - 1) % world_size)]",
@@ -139,7 +141,8 @@ def ring_attention(q, k, v, layout, causal=False):
 
 SIGMOID_MERGE = [(  # torch's own form of the same rule (_attention.py, _SDPAMerger._merge_one)
     "    new_lse = torch.logaddexp(lse, block_lse)  # log(exp(lse) + exp(block_lse)), without overflow\n"
-    "    out = torch.exp(lse - new_lse).unsqueeze(-1) * out + torch.exp(block_lse - new_lse).unsqueeze(-1) * block_out\n"
+    "    out = torch.exp(lse - new_lse).unsqueeze(-1) * out + "
+    "torch.exp(block_lse - new_lse).unsqueeze(-1) * block_out\n"
     "    return out, new_lse",
     "    import torch.nn.functional as F\n"
     "    out = out - F.sigmoid(block_lse - lse).unsqueeze(-1) * (out - block_out)\n"

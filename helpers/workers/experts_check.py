@@ -88,6 +88,11 @@ def wrong_layers(capacity_factor, rank: int, world_size: int) -> dict[str, torch
         token, _ = torch.nonzero((chosen == e) & keep, as_tuple=True)
         unweighted = unweighted.index_add(0, token, expert(x[token]))
     layers["unweighted"] = unweighted
+    own = torch.zeros_like(x)  # the starting code: only the choices that are this rank's own experts
+    for e in range(rank * local, (rank + 1) * local):
+        token, slot = torch.nonzero((chosen == e) & keep, as_tuple=True)
+        own = own.index_add(0, token, weights[token, slot].unsqueeze(-1) * experts[e](x[token]))
+    layers["own experts only"] = own
     return {name: out.detach() for name, out in layers.items()}
 
 
