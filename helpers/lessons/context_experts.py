@@ -141,12 +141,12 @@ def merge_figure() -> Any:
     total = torch.logsumexp(scores, 0)
     fig, axes = plt.subplots(1, 2, figsize=(10, 2.8), dpi=80, layout="constrained", sharey=True)
     for start, block, lse, colour in ((0, blocks[0], lses[0], "tab:blue"), (7, blocks[1], lses[1], "tab:orange")):
-        keys = range(start, start + len(block))
-        axes[0].bar(keys, torch.softmax(block, 0), color=colour, label=f"block of keys {start}-{start + len(block) - 1}"
-                    f": lse {lse:.2f}, weights sum to 1")
-        axes[1].bar(keys, torch.softmax(block, 0) * torch.exp(lse - total), color=colour,
+        keys, weights = list(range(start, start + len(block))), torch.softmax(block, 0)
+        axes[0].bar(keys, weights.tolist(), color=colour,
+                    label=f"block of keys {start}-{start + len(block) - 1}: lse {lse:.2f}, weights sum to 1")
+        axes[1].bar(keys, (weights * torch.exp(lse - total)).tolist(), color=colour,
                     label=f"x exp({lse:.2f} - {total:.2f}) = x {torch.exp(lse - total):.2f}")
-    axes[1].plot(range(12), torch.softmax(scores, 0), "k_", markersize=14, label="softmax over all 12 keys")
+    axes[1].plot(range(12), torch.softmax(scores, 0).tolist(), "k_", markersize=14, label="softmax over all 12 keys")
     axes[0].set(title="each block on its own", xlabel="key", ylabel="attention weight")
     axes[1].set(title=f"merged: lse = log(exp({lses[0]:.2f}) + exp({lses[1]:.2f})) = {total:.2f}", xlabel="key")
     for ax in axes:
@@ -378,6 +378,9 @@ def check_moe(path: str | Path, keep: dict | None = None, timeout: float = 60,
         print(f"Checking on {nproc} ranks...", flush=True)
         run, failed = _launch("experts_check.py", nproc, ["--impl", str(Path(path).resolve())], timeout,
                               f"the expert-parallel check of {Path(path).name}")
+        if failed and "expected size" in failed:  # gloo's size check, in an all-to-all with uneven splits
+            failed += (" In an uneven all-to-all, each rank must be told how many rows every peer sends it: exchange "
+                       "the counts first (dist.all_to_all_single of the counts), and pass them as output_split_sizes.")
         if failed:
             return Checked(not_yet(failed))
         per_rank = {rank: got["graded"][str(Path(path).resolve())] for rank, got in run.results.items()}
