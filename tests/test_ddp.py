@@ -125,14 +125,14 @@ def test_a_broken_original_does_not_break_the_exercise_check(tmp_path, monkeypat
     """A learner who edits (and breaks) ddp_exercise_single.py instead of the copy still gets a working check:
     the check launches only the learner's script, and no file under a WORKERS folder it could read."""
     import helpers
+    import helpers.kit
     import helpers.launcher.api as api
-    import helpers.lessons.ddp
 
     broken = tmp_path / "ddp_exercise_single.py"
     broken.write_text((WORKERS / "ddp_exercise_single.py").read_text().replace("import torch\n", "", 1)
                       + "\nraise SystemExit('a broken original')\n")
     monkeypatch.setattr(helpers, "WORKERS", tmp_path)
-    monkeypatch.setattr(helpers.lessons.ddp, "WORKERS", tmp_path)
+    monkeypatch.setattr(helpers.kit, "WORKERS", tmp_path)
     launched, real_launch = [], api.launch
     monkeypatch.setattr(api, "launch", lambda script, *a, **k: launched.append(script) or real_launch(script, *a, **k))
     solution = WORKERS / "ddp_exercise_solution.py"

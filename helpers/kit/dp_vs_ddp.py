@@ -4,9 +4,6 @@
     naive = NaiveDataParallel(model, num_devices=2)
     report = naive.train_step(images, labels, loss_fn, optimizer)   # report.phase_seconds, report.per_device
 
-    counter = AllreduceCounter()
-    ddp.register_comm_hook(counter, counting_allreduce_hook)   # counter.calls, counter.bucket_numels
-
 `nn.DataParallel` needs GPUs: on CPU it is a pass-through, and in torch 2.14.1 none of torch.nn.parallel's
 four functions runs on CPU tensors: scatter ends in comm.scatter (CUDA), replicate in Broadcast.forward
 (_functions.py:13-14), parallel_apply asks for an accelerator (parallel_apply.py:70-73), gather in

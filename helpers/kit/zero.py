@@ -15,22 +15,31 @@ and a log of the collectives a process issues.
   `all_gather_single` / `reduce_scatter_single` they call) with wrappers that record each call (operation, bytes of
   the full, unsharded tensor, async_op, given by keyword or position) in order, then call torch's function.
   `_coalescing_manager` is a context manager, not a collective: the calls made inside it are recorded one by
-  one. A call counts only if it goes through `torch.distributed.<name>`:
+  one. An `async_op=True` call hands back its work wrapped (a subclass of torch's `Work`), so that the log also
+  records when it was first waited for (`wait()`, or `get_future()`). A call counts only if it goes through
+  `torch.distributed.<name>`:
   that is how the learner's classes, `ZeroRedundancyOptimizer` (dist.broadcast), DDP's constructor
   (dist._broadcast_coalesced, torch/distributed/utils.py:339), DDP's default comm hook (dist.all_reduce) and FSDP2
   (dist.all_gather_single, dist.reduce_scatter_single) call them in torch 2.14. Not seen: a method called on a
   ProcessGroup object itself (`group.allreduce(...)`), a call through `torch.distributed.distributed_c10d.<name>`,
   and C++ callers (DDP's reducer without a Python comm hook).
+- `reachable_tensors` / `other_tensors`: the tensors an object holds, found through its attributes, containers,
+  tensors' own attributes, functions' closures and the class attributes of the learner's classes, each with the
+  path that reaches it (what lesson 09's check counts as memory a class keeps on the side).
 Imports only torch: workers and the notebook both use it.
 """
 from __future__ import annotations
 
+import functools
 import inspect
+import types
 from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+STEPS, ACCUMULATE_STEP = 5, 3  # lesson 09's check: 5 optimizer steps; step 3 runs two backward passes before it
 
 # operation -> which argument is the full (unsharded) tensor: its position, and its keyword
 _FULL_TENSOR = {
@@ -109,12 +118,53 @@ def _first_tensors(args, kwargs):
     return []
 
 
+def is_call(event: dict) -> bool:
+    """True for a recorded collective or point-to-point call; False for a marker or a wait."""
+    return event["op"] not in ("mark", "wait")
+
+
+class _LoggedWork(dist.Work):
+    """torch's Work of an async_op=True call, with the first wait() (or get_future()) recorded in the log."""
+
+    def __init__(self, work: dist.Work, log: CommLog, call: int) -> None:
+        super().__init__()
+        self.work, self.log, self.call, self.waited = work, log, call, False
+
+    def _note(self) -> None:
+        if not self.waited:
+            self.waited = True
+            self.log.events.append({"op": "wait", "id": self.call})
+
+    def wait(self, timeout=None) -> bool:
+        self._note()
+        return self.work.wait() if timeout is None else self.work.wait(timeout)
+
+    def get_future(self):
+        self._note()
+        return self.work.get_future()
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+    def is_success(self) -> bool:
+        return self.work.is_success()
+
+    def exception(self):
+        return self.work.exception()
+
+    def result(self):
+        return self.work.result()
+
+
 class CommLog:
-    """Records every call of the names in LOGGED through torch.distributed while installed (the list `events`)."""
+    """Records every call of the names in LOGGED through torch.distributed while installed (the list `events`):
+    {"op", "bytes", "async", "id"} per call, {"op": "wait", "id"} when an async call is first waited for, and the
+    markers of `mark`."""
 
     def __init__(self) -> None:
         self.events: list[dict] = []
         self._originals: dict = {}
+        self._calls = 0
 
     def install(self) -> CommLog:
         for name in LOGGED:
@@ -145,9 +195,12 @@ class CommLog:
                 full = _first_tensors(args, kwargs)
             else:
                 full = kwargs[keyword] if keyword in kwargs else args[position]
+            self._calls += 1
+            call = self._calls
             self.events.append({"op": _ALIASES.get(name, name), "bytes": _nbytes(full),
-                                "async": is_async(args, kwargs)})
-            return original(*args, **kwargs)
+                                "async": is_async(args, kwargs), "id": call})
+            work = original(*args, **kwargs)
+            return _LoggedWork(work, self, call) if isinstance(work, dist.Work) else work
         return recorded
 
     def mark(self, label: str, **facts) -> None:
@@ -158,6 +211,99 @@ class CommLog:
         """The events so far; the log starts empty again."""
         events, self.events = self.events, []
         return events
+
+
+_NOT_LEARNERS = ("torch", "builtins", "abc", "typing", "collections", "enum", "functools")
+_MODULE_CHILDREN = ("_parameters", "_buffers", "_modules")
+
+
+def _key(key) -> str:
+    if isinstance(key, (str, int)):
+        text = repr(key)
+        return text if len(text) <= 24 else text[:21] + "..."
+    return "<tensor>" if isinstance(key, torch.Tensor) else f"<{type(key).__name__}>"
+
+
+def _attributes(items, path: str) -> list[tuple[object, str]]:
+    found = []
+    for name, value in items:
+        if name in _MODULE_CHILDREN and isinstance(value, dict):  # a module's parameters, buffers, submodules
+            found += [(child, f"{path}.{key}") for key, child in value.items()]
+        elif "hook" in name and isinstance(value, dict):  # hook dicts: keyed by a process-wide counter, not shown
+            found += [(hook, f"{path}.{name}[<hook>]") for hook in value.values()]
+        else:
+            found.append((value, f"{path}.{name}"))
+    return found
+
+
+def _children(obj, path: str) -> list[tuple[object, str]]:
+    """What `obj` refers to, each with the path that reaches it from a root."""
+    if isinstance(obj, torch.Tensor):  # the tensor's own Python attributes (torch keeps only hook dicts there)
+        return _attributes(getattr(obj, "__dict__", {}).items(), path)
+    if isinstance(obj, types.FunctionType):  # closure cells and default arguments
+        cells = []
+        for name, cell in zip(obj.__code__.co_freevars, obj.__closure__ or (), strict=False):
+            try:
+                cells.append((cell.cell_contents, f"{path} (closure of {obj.__qualname__}: {name})"))
+            except ValueError:  # a cell not yet filled
+                pass
+        defaults = list(obj.__defaults__ or ()) + list((obj.__kwdefaults__ or {}).values())
+        return cells + [(value, f"{path} (default of {obj.__qualname__})") for value in defaults]
+    if isinstance(obj, types.MethodType):
+        return [(obj.__func__, path), (obj.__self__, path)]
+    if isinstance(obj, functools.partial):
+        return [(obj.func, path)] + [(value, f"{path} (argument of a partial)")
+                                     for value in (*obj.args, *obj.keywords.values())]
+    if isinstance(obj, dict):
+        return [(key, f"{path} (a key)") for key in obj] + [(value, f"{path}[{_key(key)}]")
+                                                             for key, value in obj.items()]
+    if isinstance(obj, (list, tuple)):
+        return [(value, f"{path}[{i}]") for i, value in enumerate(obj)]
+    if isinstance(obj, (set, frozenset)):
+        return [(value, f"{path} (in a set)") for value in obj]
+    if not hasattr(obj, "__dict__") or isinstance(obj, (type, types.ModuleType)):
+        return []
+    found = _attributes(vars(obj).items(), path)
+    for cls in type(obj).__mro__:  # class attributes of the learner's own classes (`cache = {}` in the class body)
+        if cls.__module__.split(".")[0] not in _NOT_LEARNERS:
+            found += [(value, f"{cls.__name__}.{name}") for name, value in vars(cls).items()
+                      if not name.startswith("__") and not isinstance(value, (property, staticmethod, classmethod))]
+    return found
+
+
+def reachable_tensors(**roots) -> list[tuple[torch.Tensor, str]]:
+    """Every tensor reachable from the named `roots` (e.g. Zero3=the class's object, model=the model), each with a
+    path that reaches it ("Zero3.kept[<tensor>]"): through attributes of objects, modules and tensors (a buffer hung
+    on a parameter or a shard, `p._full = ...`), dicts, lists, tuples and sets, functions kept there (hooks included:
+    their closure cells and default arguments), bound methods, functools.partial, and the class attributes of classes
+    outside torch and the standard library. Not through a function's globals, modules or C++ objects: a tensor kept in
+    a module-level global or in a pending collective is not seen."""
+    seen, found = set(), []
+    todo = [(obj, name) for name, obj in reversed(roots.items())]
+    while todo:
+        obj, path = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            found.append((obj, path))
+        todo += reversed(_children(obj, path))
+    return found
+
+
+def other_tensors(known: Iterable[torch.Tensor], **roots) -> dict:
+    """The tensor storages reachable from `roots` that are none of `known` (for lesson 09: the class's parameters,
+    gradients, shards, their gradients, optimizer state): their count, total bytes, and the shape and path of the
+    largest."""
+    skip = {storage_key(t) for t in known if t is not None}
+    other: dict[int, tuple[int, tuple, str]] = {}
+    for tensor, path in reachable_tensors(**roots):
+        key, size = storage_key(tensor), tensor.untyped_storage().size()
+        if key not in skip and size and (key not in other or size > other[key][0]):
+            other[key] = (size, tuple(tensor.shape), path)
+    largest = max(other.values(), key=lambda found: found[0], default=(0, (), ""))
+    return {"tensors": len(other), "bytes": sum(size for size, _, _ in other.values()), "largest": list(largest[1]),
+            "where": largest[2]}
 
 
 class TiedPair(nn.Module):

@@ -51,6 +51,9 @@ MEANINGS: list[tuple[re.Pattern, str]] = [
      "a peer sent this rank {0} bytes where it expected at most {1}: the ranks passed tensors of different sizes to "
      "the same collective (every rank must pass the same shape; the shards of a flat tensor are equal only when it is "
      "padded to a multiple of the world size)"),
+    (re.compile(r"Check failed: \w+Shape\[0\] \* worldSize == \w+Shape\[0\] \((\d+) vs\. (\d+)\)"),
+     "a one-tensor reduce-scatter or all-gather needs one tensor exactly world-size times the other ({0} vs. {1}): "
+     "the flat tensor's length is not a multiple of the world size (pad it with zeros first)"),
     (re.compile(r"invalid tensor size at index \d+ \(expected \(([\d, ]+)\), got \(([\d, ]+)\)\)"),
      "the ranks passed tensors of different shapes to the same collective (expected {0}, got {1}): every rank must "
      "pass the same shape"),

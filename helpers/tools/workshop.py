@@ -4,62 +4,58 @@
     python -m helpers.tools.workshop student handout/ --clear-outputs
     python -m helpers.tools.workshop teacher teacher-copy/         # everything, solutions included
 
-A student copy keeps every lesson, every exercise's starting code and every check, and removes:
-- cells tagged `solution`, and the solution blocks (`<details><summary>Solution</summary> ... </details>`);
-- cells that run a solution file, with the one-line markdown cell that introduces them;
-- the solution files themselves (`helpers/workers/*_solution.py`).
-It copies what a learner needs to install and run the lessons (README, requirements, pyproject, binder,
-helpers, notebooks), not the tests or CI.
+A student copy keeps every lesson, every exercise's starting code and every check, and removes every cell tagged
+`solution` (nbconvert's TagRemovePreprocessor: the answers, the cells that run a solution, the line that introduces
+them) and the solution files themselves (`helpers/workers/*_solution.py`). It copies what a learner needs to install
+and run the lessons (README, requirements, pyproject, binder, helpers, notebooks), not the tests or CI.
 """
 from __future__ import annotations
 
 import argparse
-import fnmatch
 import json
 import re
 import shutil
 import subprocess
 from pathlib import Path
 
+import nbformat
+import pathspec
+from nbconvert.preprocessors import TagRemovePreprocessor
+
 from helpers import REPO_ROOT as ROOT
 
 LEARNER_FILES = ("README.md", "requirements.txt", "pyproject.toml", "binder", "helpers", "notebooks")
 SOLUTION_FILE = re.compile(r"[\w/.-]*_solution\.py")
 TEST_HARNESS = {"notebooks/sanitize.cfg"}  # nbval's settings: the teacher's test run needs them, a learner does not
-DETAILS = re.compile(r"<details>\s*<summary>\s*Solution.*?</details>\s*", re.IGNORECASE | re.DOTALL)
+SOLUTION_BLOCK = re.compile(r"<details>\s*<summary>\s*Solution", re.IGNORECASE)
 
 
 def _source(cell: dict) -> str:
     return "".join(cell.get("source", []))
 
 
-def _is_solution_runner(cell: dict) -> bool:
-    return cell["cell_type"] == "code" and bool(SOLUTION_FILE.search(_source(cell)))
+def _tagged(cell: dict) -> bool:
+    return "solution" in cell.get("metadata", {}).get("tags", [])
 
 
-def _introduces(cell: dict) -> bool:
-    """A short markdown line such as "The solution, checked:" that only introduces the next cell."""
-    text = _source(cell).strip()
-    return cell["cell_type"] == "markdown" and len(text) < 120 and "solution" in text.lower()
+def untagged_solutions(cells: list[dict]) -> list[int]:
+    """Cells that look like answers but lack the `solution` tag: one that runs a `*_solution.py` file, or holds a
+    solution block. The tag is what removes a cell; this is the maintainers' check that no answer was left untagged."""
+    return [index for index, cell in enumerate(cells) if not _tagged(cell)
+            and ((cell["cell_type"] == "code" and SOLUTION_FILE.search(_source(cell)))
+                 or (cell["cell_type"] == "markdown" and SOLUTION_BLOCK.search(_source(cell))))]
 
 
 def student_cells(cells: list[dict], clear_outputs: bool = False) -> list[dict]:
-    """The cells of a learner's copy of one notebook (see the module docstring for what goes)."""
-    kept = []
-    for index, cell in enumerate(cells):
-        if "solution" in cell.get("metadata", {}).get("tags", []) or _is_solution_runner(cell):
-            continue
-        if _introduces(cell) and index + 1 < len(cells) and _is_solution_runner(cells[index + 1]):
-            continue
-        cell = json.loads(json.dumps(cell))
-        if cell["cell_type"] == "markdown" and DETAILS.search(_source(cell)):
-            text = DETAILS.sub("", _source(cell)).strip()
-            if not text:
-                continue
-            cell["source"] = text.splitlines(keepends=True)
-        if clear_outputs and cell["cell_type"] == "code":
-            cell["outputs"], cell["execution_count"] = [], None
-        kept.append(cell)
+    """The cells of a learner's copy of one notebook: every cell tagged `solution` removed."""
+    notebook = nbformat.from_dict({"cells": json.loads(json.dumps(cells)), "metadata": {}, "nbformat": 4,
+                                   "nbformat_minor": 5})
+    notebook, _ = TagRemovePreprocessor(remove_cell_tags={"solution"}).preprocess(notebook, {})
+    kept = json.loads(json.dumps(notebook["cells"]))
+    if clear_outputs:
+        for cell in kept:
+            if cell["cell_type"] == "code":
+                cell["outputs"], cell["execution_count"] = [], None
     return kept
 
 
@@ -74,34 +70,16 @@ def _tracked(paths: tuple[str, ...]) -> list[Path]:
     return [Path(line) for line in listing.stdout.splitlines() if line]
 
 
-def _ignore_patterns() -> list[str]:
-    gitignore = ROOT / ".gitignore"
-    lines = gitignore.read_text(encoding="utf-8").splitlines() if gitignore.exists() else []
-    return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
-
-
-def _ignored(relative: Path, patterns: list[str]) -> bool:
-    """.gitignore's rules as this project uses them: `name/` is a folder anywhere, `/name` or `a/b` is anchored
-    at the root, a bare `*.ext` matches a file name anywhere (no negations)."""
-    for pattern in patterns:
-        folder_only = pattern.endswith("/")
-        body = pattern.rstrip("/")
-        anchored = "/" in body
-        body = body.lstrip("/")
-        candidates = [Path(*relative.parts[:i]) for i in range(1, len(relative.parts) + (0 if folder_only else 1))]
-        for candidate in candidates:
-            if candidate.match(body) if not anchored else fnmatch.fnmatchcase(candidate.as_posix(), body):
-                return True
-    return False
-
-
 def _not_ignored(paths: tuple[str, ...]) -> list[Path]:
-    patterns = _ignore_patterns()
+    """The files under `paths` that .gitignore does not exclude, read as git reads it (pathspec's gitwildmatch)."""
+    gitignore = ROOT / ".gitignore"
+    spec = pathspec.GitIgnoreSpec.from_lines(gitignore.read_text(encoding="utf-8").splitlines()
+                                             if gitignore.exists() else [])
     found = []
     for name in paths:
         top = ROOT / name
         files = [top] if top.is_file() else sorted(f for f in top.rglob("*") if f.is_file())
-        found += [f.relative_to(ROOT) for f in files if not _ignored(f.relative_to(ROOT), patterns)]
+        found += [f.relative_to(ROOT) for f in files if not spec.match_file(f.relative_to(ROOT).as_posix())]
     return found
 
 

@@ -1,23 +1,23 @@
-"""Lesson 09's check harness: run one step of the lesson (ours or the learner's) beside torch's own, on every rank.
+"""Lesson 09's check harness: train the learner's class beside torch's own on every rank, and hand back what it did.
 
-    torchrun --standalone --nproc-per-node 2 helpers/workers/zero_check.py --impl solution --stage zero3
+    torchrun --standalone --nproc-per-node 2 helpers/workers/zero_check.py --check zero3 notebooks/my_zero3.py
 
---impl: a file with the learner's class (notebooks/my_zero3.py, ...) or `solution` (zero_solution.py).
---stage: bucketed (BucketedDDP), zero1, zero2 or zero3. For each of three models (helpers.kit.zero.build_model:
-mlp, odd = no tensor divides by 2, tied = one weight shared) it trains 5 AdamW steps on each rank's own data,
-with the class under test and with torch's DistributedDataParallel (and, for zero3, FSDP2's fully_shard),
-from the same weights. Each rank hands back: how far its gradients after step 0 are from DDP's averaged ones,
-its parameters and shards, the bytes its tensors hold (read from the tensors), for ZeRO the bytes of every other
-tensor reachable from the class's object and the model (reachable_tensors), the collectives issued while the
-class was built and in each step (helpers.kit.zero.CommLog; torch's DDP is counted through its default comm hook,
-which calls dist.all_reduce), and markers for the end of backward, the start and end of each unit's forward and the
-start of each unit's backward. helpers/lessons/zero.py reads the results and decides. Works with one process.
+--check STAGE FILE: the class to check, from FILE (bucketed: BucketedDDP, zero1: Zero1, zero2: Zero2, zero3: Zero3).
+Repeat it to check several classes one after another in this one launch, beside one shared run of torch's
+DistributedDataParallel (the course's tests grade many classes this way; a notebook's check passes one).
+For each of three models (helpers.kit.zero.build_model: mlp, odd = no tensor divides by 2, tied = one weight shared)
+it trains 5 AdamW steps on each rank's own data, step 3 with two backward passes before the optimizer step (gradient
+accumulation), with the class and with DDP (for zero3 also with FSDP2's fully_shard), from the same weights.
+Each rank hands back, per class and model: the shards and parameter shapes right after the constructor; the
+collectives the constructor and each step issued, and when each async one was first waited for
+(helpers.kit.zero.CommLog); markers at the end of backward and at the start and end of each unit's forward and the
+start of its backward; the bytes its tensors hold; the other tensors reachable from the class and the model
+(helpers.kit.zero.other_tensors); and after every step how far its gradients (or gradient shards), shards and
+parameters are from DDP's. helpers/lessons/zero.py decides. Works with one process.
 """
 import argparse
-import functools
 import importlib.util
 import sys
-import types
 from pathlib import Path
 
 import torch
@@ -28,82 +28,37 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from helpers.kit.distributed import init_distributed
 from helpers.kit.reporting import result
-from helpers.kit.zero import CommLog, build_model, padded_flat, storage_bytes, storage_key
+from helpers.kit.zero import ACCUMULATE_STEP, STEPS, CommLog, build_model, other_tensors, padded_flat, storage_bytes
 
 CLASSES = {"bucketed": "BucketedDDP", "zero1": "Zero1", "zero2": "Zero2", "zero3": "Zero3"}
-MODELS, STEPS, LR, CAP_MB = ("mlp", "odd", "tied"), 5, 1e-2, 0.01  # cap 10 KiB: the mlp makes 2 buckets
+MODELS, LR, CAP_MB = ("mlp", "odd", "tied"), 1e-2, 0.01  # cap 10 KiB: the mlp makes 2 buckets
 log = CommLog().install()  # before the learner's file is loaded, so `from torch.distributed import ...` is seen
 
 
-def load_class(impl: str, stage: str):
-    path = Path(__file__).with_name("zero_solution.py") if impl == "solution" else Path(impl)
-    sys.path.insert(0, str(path.parent))  # my_zero2.py may import my_zero1.py beside it
+def load_class(stage: str, file: str):
+    path = Path(file).resolve()
+    for neighbour in path.parent.glob("*.py"):  # my_zero2.py imports my_zero1.py: the one beside it, not an earlier
+        loaded = sys.modules.get(neighbour.stem)
+        if loaded is not None and getattr(loaded, "__file__", None) != str(neighbour):
+            del sys.modules[neighbour.stem]
+    sys.path.insert(0, str(path.parent))
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
     spec.loader.exec_module(module)
     return getattr(module, CLASSES[stage])
 
 
-def batch(width: int, rank: int, step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(1000 * step + rank)  # each rank its own data
+def batch(width: int, rank: int, step: int, micro: int, device: torch.device):
+    generator = torch.Generator().manual_seed(1000 * step + 100 * micro + rank)  # each rank its own data
     return torch.randn(8, width, generator=generator).to(device), torch.randn(8, generator=generator).to(device)
 
 
-def reachable_tensors(*roots) -> list[torch.Tensor]:
-    """Every tensor reachable from `roots` (the class's object, the model) through attributes of objects, modules
-    and tensors (a buffer hung on a parameter or a shard, `p._full = ...`; torch keeps only hook dicts there),
-    dicts, lists, tuples and sets, and through functions kept there (hooks included): a function's closure cells and
-    default arguments, a bound method's object, a functools.partial's arguments. Not through a function's globals,
-    classes, modules or C++ objects: a tensor kept in a module-level global or a pending collective is not seen."""
-    seen, found, todo = set(), [], list(roots)
-    while todo:
-        obj = todo.pop()
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            found.append(obj)
-            todo += list(getattr(obj, "__dict__", {}).values())  # the tensor's own Python attributes
-        elif isinstance(obj, types.FunctionType):
-            for cell in obj.__closure__ or ():
-                try:
-                    todo.append(cell.cell_contents)
-                except ValueError:  # a cell not yet filled
-                    pass
-            todo += list(obj.__defaults__ or ()) + list((obj.__kwdefaults__ or {}).values())
-        elif isinstance(obj, types.MethodType):
-            todo += [obj.__func__, obj.__self__]
-        elif isinstance(obj, functools.partial):
-            todo += [obj.func, *obj.args, *obj.keywords.values()]
-        elif isinstance(obj, dict):
-            todo += list(obj.keys()) + list(obj.values())
-        elif isinstance(obj, (list, tuple, set, frozenset)):
-            todo += list(obj)
-        elif hasattr(obj, "__dict__") and not isinstance(obj, (type, types.ModuleType)):
-            todo += list(vars(obj).values())
-    return found
-
-
-def other_tensors(roots, known) -> dict:
-    """Bytes of the tensor storages reachable from `roots` that are none of `known` (the class's parameters,
-    gradients, shards, their gradients, optimizer state): their count, total bytes, and the shape of the largest."""
-    skip = {storage_key(t) for t in known if t is not None}
-    other = {}
-    for tensor in reachable_tensors(*roots):
-        key = storage_key(tensor)
-        if key not in skip and tensor.untyped_storage().size():
-            other[key] = max(other.get(key, (0, ())), (tensor.untyped_storage().size(), tuple(tensor.shape)))
-    largest = max(other.values(), default=(0, ()))
-    return {"tensors": len(other), "bytes": sum(size for size, _ in other.values()), "largest": list(largest[1])}
-
-
-def train(model, optimizer, width, device, rank, after_backward=None, mark_units=(), grads=None,
-          count_others: bool = False) -> dict:
-    """5 steps; the collectives of each step, and the bytes held after each step's backward and after it.
-
-    grads: a dict that receives, after step 0, each parameter's .grad and each shard's .grad (by tensor).
-    count_others: count, after backward and after the step, the tensors reachable from the class and the model
-    that are none of its parameters, gradients, shards, their gradients or optimizer state (record["other"])."""
+def train(model, optimizer, width, device, rank, after_backward=None, mark_units=(), after_step=None,
+          known=None) -> dict:
+    """5 steps (step ACCUMULATE_STEP with two backward passes); the collectives of each step, the bytes held after each
+    step's backward and after it. after_step(step): called after the optimizer step, before zero_grad. known(): the
+    tensors the class may hold; when given, the other tensors reachable from it and the model are counted."""
     for i, unit in enumerate(mark_units):  # run after the class's own hooks, registered before these
         unit.register_forward_pre_hook(lambda *_, i=i: log.mark(f"forward start {i}"))
         unit.register_forward_hook(lambda *_, i=i: log.mark(f"forward end {i}",
@@ -112,33 +67,42 @@ def train(model, optimizer, width, device, rank, after_backward=None, mark_units
     record = {"steps": [], "grad_bytes": [], "param_bytes": [], "state_bytes": [], "other": []}
     parameters = list(model.parameters()) + list(getattr(optimizer, "shards", {}).values())
     local = getattr(optimizer, "optimizer", optimizer)
-
-    def others() -> dict:  # everything else the class and the model hold in tensors, bytes
-        known = parameters + [t.grad for t in parameters] + [v for s in local.state.values() for v in s.values()
-                                                            if torch.is_tensor(v)]
-        return other_tensors((optimizer, model), known)
+    roots = {type(optimizer).__name__: optimizer, "the model": model}
 
     for step in range(STEPS):
-        inputs, targets = batch(width, rank, step, device)
-        loss = (model(inputs).sum(dim=-1) - targets).pow(2).mean()
-        loss.backward()
-        log.mark("backward end", held=storage_bytes(model.parameters()))
-        if count_others:
-            record["other"].append({"when": "when backward ended", **others()})
-        if after_backward:
-            after_backward()
+        for micro in range(2 if step == ACCUMULATE_STEP else 1):
+            inputs, targets = batch(width, rank, step, micro, device)
+            loss = (model(inputs).sum(dim=-1) - targets).pow(2).mean()
+            loss.backward()
+            log.mark("backward end", held=storage_bytes(model.parameters()))
+            if after_backward:
+                after_backward()
+        if known:
+            record["other"].append({"when": "when backward ended", **other_tensors(known(), **roots)})
         record["grad_bytes"].append(storage_bytes(p.grad for p in parameters))
         optimizer.step()
-        if step == 0 and grads is not None:  # the gradients the optimizer has just used (before zero_grad)
-            grads.update({t: t.grad.detach().clone() for t in parameters if t.grad is not None})
-        if count_others:
-            record["other"].append({"when": "after step()", **others()})
+        if after_step:
+            after_step(step)
+        if known:
+            record["other"].append({"when": "after step()", **other_tensors(known(), **roots)})
         record["steps"].append(log.take())
         record["param_bytes"].append(storage_bytes(parameters))
         record["state_bytes"].append(storage_bytes(v for s in local.state.values() for k, v in s.items()
                                                    if k in ("exp_avg", "exp_avg_sq")))
         optimizer.zero_grad()
     return record
+
+
+def distance(got: torch.Tensor | None, want: torch.Tensor) -> dict:
+    """How far a tensor (a gradient, a shard) is from DDP's: max abs difference, DDP's max abs, its number of values
+    (None when there is none), and the scale factor that best maps DDP's onto it (2.0 on 2 ranks when a sum was not
+    divided by the world size)."""
+    scale = float(want.abs().max()) if want.numel() else 0.0
+    if got is None or got.numel() != want.numel():
+        return {"diff": None, "scale": scale, "ratio": None, "numel": None if got is None else got.numel()}
+    got, want = got.detach().cpu().double().reshape(-1), want.detach().cpu().double().reshape(-1)
+    return {"diff": float((got - want).abs().max()), "scale": scale, "numel": got.numel(),
+            "ratio": float((got * want).sum() / (want * want).sum().clamp_min(1e-30))}
 
 
 def gathered(shard: torch.Tensor, numel: int) -> torch.Tensor:
@@ -150,62 +114,29 @@ def gathered(shard: torch.Tensor, numel: int) -> torch.Tensor:
     return full[:numel]
 
 
-def gradient_distance(got: torch.Tensor | None, want: torch.Tensor) -> dict:
-    """How far a gradient (or shard of one) is from DDP's: max abs difference, DDP's max abs, and the scale
-    factor that best maps DDP's onto it (2.0 on 2 ranks when the sum was not divided by the world size)."""
-    if got is None or got.shape != want.shape:
-        return {"diff": None, "scale": float(want.abs().max()), "ratio": None}
-    got, want = got.detach().cpu().double(), want.detach().cpu().double()
-    return {"diff": float((got - want).abs().max()), "scale": float(want.abs().max()),
-            "ratio": float((got * want).sum() / (want * want).sum().clamp_min(1e-30))}
-
-
-def run_model(name: str, stage: str, cls, rank: int, device: torch.device) -> dict:
-    world_size = dist.get_world_size()
-    reference, _, width = build_model(name)
+def baseline(name: str, rank: int, device: torch.device, with_fsdp: bool) -> dict:
+    """torch's DDP (and FSDP2) on one model: what every class is compared with, run once per launch."""
+    reference, units, width = build_model(name)
+    names = [n for n, _ in reference.named_parameters()]
+    initial = {n: q.detach().clone() for n, q in reference.named_parameters()}
     ddp = DDP(reference.to(device), bucket_cap_mb=CAP_MB)
     ddp.register_comm_hook(None, allreduce_hook)  # torch's default hook: one dist.all_reduce per bucket
-    out_construction = log.take()  # DDP's constructor broadcasts rank 0's parameters (_sync_module_states)
-    ddp_grads, impl_grads = {}, {}
-    out = {"ddp": train(ddp, torch.optim.AdamW(ddp.parameters(), lr=LR), width, device, rank, grads=ddp_grads)}
-    out["ddp"]["construction"] = out_construction
-    model, units, _ = build_model(name)
-    model = model.to(device)
-    if stage == "bucketed":
-        model = cls(model, bucket_cap_mb=CAP_MB)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-        out["construction"] = log.take()  # the collectives of the constructor, not of step 0
-        out["impl"] = train(model, optimizer, width, device, rank, model.finish_gradient_synchronization,
-                            grads=impl_grads)
-    else:
-        optimizer = (cls(model, units, torch.optim.AdamW, lr=LR) if stage == "zero3"
-                     else cls(model.parameters(), torch.optim.AdamW, lr=LR))
-        out["construction"] = log.take()  # the collectives of the constructor, not of step 0
-        out["impl"] = train(model, optimizer, width, device, rank, mark_units=units if stage == "zero3" else (),
-                            grads=impl_grads, count_others=True)
-    names = {p: n for n, p in reference.named_parameters()}
-    full = {names[q]: p.detach() for p, q in zip(model.parameters(), reference.parameters(), strict=True)}
-    out["shards"], out["grads"] = {}, {}  # grads: step 0's gradient (bucketed) or gradient shard (ZeRO) vs DDP's
-    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
-        shard = getattr(optimizer, "shards", {}).get(p)
-        if shard is not None:
-            out["shards"][names[q]] = {"numel": p.numel(), "values": shard.detach().cpu().tolist()}
-            want = padded_flat(ddp_grads[q], world_size).chunk(world_size)[rank]
-            out["grads"][names[q]] = gradient_distance(impl_grads.get(shard), want)
-            if stage == "zero3":  # the full parameter is freed: gather it from the shards (not counted)
-                full[names[q]] = gathered(shard, p.numel()).view_as(q)
-        elif stage == "bucketed":
-            out["grads"][names[q]] = gradient_distance(impl_grads.get(p), ddp_grads[q])
-    out["max_diff"] = max(float((full[names[q]] - q.detach()).abs().max()) for q in reference.parameters())
-    out["reference"] = {names[q]: q.detach().reshape(-1).cpu().tolist() for q in reference.parameters()}
-    out["units"] = [[p.numel() for p in unit.parameters()] for unit in units]
-    out["numels"] = [p.numel() for p in reference.parameters()]
-    if stage == "zero3" and name != "tied":  # FSDP2 cannot shard one weight into two units
+    construction = log.take()  # DDP's constructor broadcasts rank 0's parameters (_sync_module_states)
+    grads, params = [], []
+
+    def keep(step: int) -> None:  # the gradients the optimizer has just used (before zero_grad), and the result
+        grads.append({n: q.grad.detach().clone() for n, q in zip(names, reference.parameters(), strict=True)})
+        params.append({n: q.detach().clone() for n, q in zip(names, reference.parameters(), strict=True)})
+
+    out = {"ddp": train(ddp, torch.optim.AdamW(ddp.parameters(), lr=LR), width, device, rank, after_step=keep),
+           "names": names, "numels": [q.numel() for q in reference.parameters()],
+           "reference_shapes": {n: list(q.shape) for n, q in reference.named_parameters()},
+           "units": [[p.numel() for p in unit.parameters()] for unit in units],
+           "initial": {n: t.reshape(-1).tolist() for n, t in initial.items()}}
+    out["ddp"]["construction"] = construction
+    if with_fsdp and name != "tied":  # FSDP2 cannot shard one weight into two units
         out["fsdp"] = run_fully_shard(name, rank, device)
-        fsdp_params = [torch.tensor(values) for values in out["fsdp"].pop("params")]
-        out["fsdp_diff"] = max(float((full[names[q]].reshape(-1).cpu() - values).abs().max())
-                               for q, values in zip(reference.parameters(), fsdp_params, strict=True))
-    return out
+    return {"report": out, "grads": grads, "params": params}
 
 
 def run_fully_shard(name: str, rank: int, device: torch.device) -> dict:
@@ -214,22 +145,96 @@ def run_fully_shard(name: str, rank: int, device: torch.device) -> dict:
     for unit in units:
         fully_shard(unit)
     fully_shard(model)
-    record = train(model, torch.optim.AdamW(model.parameters(), lr=LR), width, device, rank)
-    record["params"] = [p.full_tensor().reshape(-1).cpu().tolist() for p in model.parameters()]
+    record = train(model, torch.optim.AdamW(model.parameters(), lr=LR), width, device, rank, mark_units=units)
+    record["params"] = [p.full_tensor().reshape(-1).cpu() for p in model.parameters()]
     return record
+
+
+def check(name: str, stage: str, cls, rank: int, device: torch.device, base: dict) -> dict:
+    """Build the class on a fresh copy of the model, train it, and compare it with DDP after every step."""
+    world_size = dist.get_world_size()
+    model, units, width = build_model(name)
+    model = model.to(device)
+    names = base["report"]["names"]
+    if stage == "bucketed":
+        model = cls(model, bucket_cap_mb=CAP_MB)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    else:
+        optimizer = (cls(model, units, torch.optim.AdamW, lr=LR) if stage == "zero3"
+                     else cls(model.parameters(), torch.optim.AdamW, lr=LR))
+    out = {"construction": log.take()}  # the collectives of the constructor, not of step 0
+    params = list(model.parameters())
+    shards = getattr(optimizer, "shards", None) or {}
+    out["has_shards"] = hasattr(optimizer, "shards")
+    out["shards"] = {n: shards[p].detach().reshape(-1).cpu().tolist() for n, p in zip(names, params, strict=True)
+                     if p in shards}
+    out["shapes"] = {n: list(p.shape) for n, p in zip(names, params, strict=True)}
+    out["values"] = []
+
+    def chunk(tensor: torch.Tensor) -> torch.Tensor:  # this rank's part of DDP's tensor, under the lesson's rule
+        return padded_flat(tensor, world_size).chunk(world_size)[rank]
+
+    def compare(step: int) -> None:  # the gradients the optimizer used in this step, and what it made of them
+        want_grads, want_params = base["grads"][step], base["params"][step]
+        row = {"grads": {}, "shards": 0.0 if shards else None, "params": None if stage == "zero3" else 0.0}
+        for n, p in zip(names, params, strict=True):
+            shard = shards.get(p)
+            if stage == "bucketed":
+                row["grads"][n] = distance(p.grad, want_grads[n])
+            elif shard is not None:
+                row["grads"][n] = distance(shard.grad, chunk(want_grads[n]))
+                got = distance(shard, chunk(want_params[n]))["diff"]
+                row["shards"] = None if got is None or row["shards"] is None else max(row["shards"], got)
+            if stage != "zero3" and row["params"] is not None:
+                got = distance(p, want_params[n])["diff"]
+                row["params"] = None if got is None else max(row["params"], got)
+        out["values"].append(row)
+
+    def known() -> list[torch.Tensor]:  # what the class may hold: parameters, gradients, shards, optimizer state
+        held = params + list(shards.values())
+        local = getattr(optimizer, "optimizer", optimizer)
+        return held + [t.grad for t in held] + [v for s in local.state.values() for v in s.values()
+                                                if torch.is_tensor(v)]
+
+    if stage == "bucketed":
+        out["impl"] = train(model, optimizer, width, device, rank, model.finish_gradient_synchronization,
+                            after_step=compare)
+    else:
+        out["impl"] = train(model, optimizer, width, device, rank, mark_units=units if stage == "zero3" else (),
+                            after_step=compare, known=known)
+    out["shapes_after"] = {n: list(p.shape) for n, p in zip(names, params, strict=True)}
+    final = base["params"][-1]
+    if stage == "zero3" and len(shards) == len(params):  # the full parameters are freed: gather them (not counted)
+        full = {n: gathered(shards[p], final[n].numel()).view_as(final[n]) for n, p in zip(names, params, strict=True)}
+    else:
+        full = {n: p.detach() for n, p in zip(names, params, strict=True)}
+    diffs = [distance(full[n], final[n])["diff"] for n in names]
+    out["max_diff"] = None if None in diffs else max(diffs)
+    if "fsdp" in base["report"] and stage == "zero3":
+        out["fsdp_diff"] = max(float((full[n].reshape(-1).cpu() - values).abs().max())
+                               for n, values in zip(names, base["report"]["fsdp"]["params"], strict=True))
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--impl", default="solution")
-    parser.add_argument("--stage", choices=sorted(CLASSES), default="zero3")
+    parser.add_argument("--check", nargs=2, action="append", metavar=("STAGE", "FILE"), required=True,
+                        help=f"a stage ({', '.join(CLASSES)}) and the file with its class; repeat for more")
     args = parser.parse_args()
+    for stage, _ in args.check:
+        if stage not in CLASSES:
+            parser.error(f"unknown stage {stage!r}: choose one of {', '.join(CLASSES)}")
     rank, world_size, device = init_distributed()
-    cls = load_class(args.impl, args.stage)
-    results = {}
-    for name in MODELS:
-        results[name] = run_model(name, args.stage, cls, rank, device)
-    result(stage=args.stage, world_size=world_size, cap_mb=CAP_MB, models=results)
+    with_fsdp = any(stage == "zero3" for stage, _ in args.check)
+    bases = {name: baseline(name, rank, device, with_fsdp) for name in MODELS}
+    checks = []
+    for stage, file in args.check:
+        cls = load_class(stage, file)
+        checks.append({"stage": stage, "models": {name: check(name, stage, cls, rank, device, bases[name])
+                                                  for name in MODELS}})
+    for base in bases.values():
+        base["report"].get("fsdp", {}).pop("params", None)
+    result(world_size=world_size, cap_mb=CAP_MB, baselines={n: b["report"] for n, b in bases.items()}, checks=checks)
     dist.destroy_process_group()
 
 

@@ -77,7 +77,7 @@ def ladder(mode: str, width: int, rank: int, device: torch.device, zero1=None) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=500)
-    parser.add_argument("--impl", default="", help="a file with a Zero1 class, or `solution`; empty: skip ours")
+    parser.add_argument("--impl", default="", help="a file with a Zero1 class (your my_zero1.py); empty: skip ours")
     args = parser.parse_args()
     rank, _, device = init_distributed()
     modes = ["ddp", "torch_zero"] + (["ours"] if args.impl else [])
