@@ -481,7 +481,8 @@ def blocks_figure(world_size: int = 4) -> Any:
 
 
 def work_table(checked: Checked | None) -> dict[int, dict[str, list[int]]]:
-    """Forward FLOPs per rank in the causal check run (FlopCounterMode), ours and torch's ring, for both layouts."""
+    """Forward FLOPs per rank in the causal check run (FlopCounterMode), ours and torch's ring, for both layouts:
+    {world_size: {"contiguous": [...], "balanced": [...], "torch contiguous": [...], "torch balanced": [...]}}."""
     if not checked:
         print("(no results yet: the causal check has not passed)")
         return {}
@@ -493,6 +494,7 @@ def work_table(checked: Checked | None) -> dict[int, dict[str, list[int]]]:
             ours = [per_rank[r][kind]["forward"]["flops"] for r in ranks]
             theirs = [per_rank[r][kind]["torch_flops"] for r in ranks]
             table.setdefault(world_size, {})[kind] = ours
+            table[world_size][f"torch {kind}"] = theirs
             print(f"  {kind:<10} ours  {ours}  slowest / mean {max(ours) / (sum(ours) / len(ours)):.2f};  torch's ring "
                   f"{theirs}  slowest / mean {max(theirs) / (sum(theirs) / len(theirs)):.2f}")
     return table
@@ -701,3 +703,36 @@ def aux_figure(histories: dict[float, list[list[float]]]) -> Any:
     axes[0].set_ylabel("share of the assignments")
     axes[-1].legend(fontsize=8)
     return fig
+
+
+def closing_note(runs: dict, memory_rows: list[dict] | None = None) -> None:
+    """The lesson's measured results in a few lines, from the runs kept by the checks and the memory run."""
+    for key, what in (("ring", "ring attention"), ("causal", "causal ring attention")):
+        checked = runs.get(key)
+        if checked:
+            truth = max(g["vs_truth"][n] for r in checked.results.values() for by_kind in r.values()
+                        for g in by_kind.values() for n in ("out", "q", "k", "v"))
+            theirs = max(g["vs_torch"][n] for r in checked.results.values() for by_kind in r.values()
+                         for g in by_kind.values() for n in ("out", "q", "k", "v"))
+            print(f"{what}: from one process max abs diff {truth:.1g} < {TRUTH:g}, from torch's ring max abs diff "
+                  f"{theirs:.1g} < {TORCH:g} (2 and 4 ranks)")
+    if runs.get("causal"):
+        per_rank = runs["causal"].results[4]
+        for kind in ("contiguous", "balanced"):
+            blocks = [per_rank[r][kind]["forward"]["flops"] // per_rank[r][kind]["block_flops"]
+                      for r in sorted(per_rank)]
+            rows = per_rank[0][kind]["chunk_rows"]
+            print(f"causal, 4 ranks, {kind}: score blocks per rank {blocks} (a block: {rows} queries x {rows} keys)")
+    if memory_rows:
+        row = memory_rows[-1]
+        print(f"ring bytes sent per rank, {row['seq']} tokens on 4 ranks: all-gather {row['torch allgather']['sent']}, "
+              f"all-to-all {row['torch alltoall']['sent']}, formula (3N - 2) x kv = {10 * row['kv_bytes']}")
+    if runs.get("moe"):
+        moe = runs["moe"].results
+        worst = max(g[n] for r in moe.values() for by_factor in r.values() for g in by_factor.values()
+                    for n in ("out", "x", "router", "experts"))
+        dropped = {n: sum(sum(1 for row in g["1.0"]["kept"] for k in row if not k) for g in r.values())
+                   for n, r in moe.items()}
+        print(f"expert parallelism: from one process max abs diff {worst:.1g} < {TRUTH:g}; assignments dropped at "
+              "capacity factor "
+              f"1.0: {dropped[2]} on 2 ranks, {dropped[4]} on 4 ranks (the same as in one process)")
