@@ -39,6 +39,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from helpers.kit.tensors import storage_bytes  # noqa: F401  (lesson 09's workers import it from here)
+
 STEPS, ACCUMULATE_STEP = 5, 3  # lesson 09's check: 5 optimizer steps; step 3 runs two backward passes before it
 
 # operation -> which argument is the full (unsharded) tensor: its position, and its keyword
@@ -83,16 +85,6 @@ def alloc_storage(tensor: torch.Tensor) -> None:
     size = tensor.numel() * tensor.element_size()
     if tensor.untyped_storage().size() != size:
         tensor.untyped_storage().resize_(size)
-
-
-def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of memory these tensors really hold now, each storage counted once (a freed one holds 0)."""
-    storages = {}
-    for tensor in tensors:
-        if tensor is not None:
-            storage = (tensor.to_local() if hasattr(tensor, "to_local") else tensor).untyped_storage()  # DTensor
-            storages[storage.data_ptr() if storage.size() else id(tensor)] = storage.size()
-    return sum(storages.values())
 
 
 def storage_key(tensor: torch.Tensor) -> int:

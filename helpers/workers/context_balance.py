@@ -1,11 +1,12 @@
 """Time causal ring attention (forward and backward) with contiguous chunks against balanced chunks.
 
-    torchrun --standalone --nproc-per-node 2 helpers/workers/context_balance.py --seq 1024 --rounds 7
+    torchrun --standalone --nproc-per-node 2 helpers/workers/context_balance.py --impl notebooks/my_ring_attention.py
 
-The ring is lesson 12's solution (or --impl FILE, the learner's ring_attention). Both layouts take turns, in a
-shuffled order each round, after a warm-up, with a barrier before every turn (helpers.kit.timing.take_turns). Each
-rank hands back its own wall and CPU seconds per round, and the FLOPs of its forward (FlopCounterMode): a step is as
-slow as its slowest rank, and a rank's CPU seconds show the work it did itself (gloo's waits sleep, they do not spin).
+--impl: a file with `ring_attention(q, k, v, layout, causal)` that passed lesson 12's causal check. Both layouts take
+turns, in a shuffled order each round, after a warm-up, with a barrier before every turn
+(helpers.kit.timing.take_turns). Each rank hands back its own wall and CPU seconds per round, and the FLOPs of its
+forward (FlopCounterMode): a step is as slow as its slowest rank, and a rank's CPU seconds count the work it did itself
+(and whatever its waiting costs).
 """
 import argparse
 import importlib.util
@@ -21,8 +22,7 @@ from helpers.kit.timing import take_turns
 
 
 def load(impl: str):
-    path = Path(__file__).with_name("context_ring_solution.py") if impl == "solution" else Path(impl)
-    spec = importlib.util.spec_from_file_location("ring_under_test", path)
+    spec = importlib.util.spec_from_file_location("ring_under_test", Path(impl))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -30,7 +30,7 @@ def load(impl: str):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--impl", default="solution")
+    parser.add_argument("--impl", required=True)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=32)
