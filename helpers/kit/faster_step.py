@@ -1,20 +1,24 @@
 """Worker kit for lesson 13 (a faster step): the lesson's model, torch.compile's set-up on a CPU, and instruments.
 
-    from helpers.kit.faster_step import build_model, digits_batches, prepare_compile, GraphCounter, HookTimeline
+    from helpers.kit.faster_step import build_model, digits_batches, prepare_compile, require_cxx, GraphCounter
 
 - `build_model(width, depth)`: 784 -> width -> (width -> width) x (depth - 1) -> 10 in `Block`s defined here, not
   an nn.Sequential: torch.compile compiles a module's forward that lives in your own file, and the lesson counts
   the graphs it makes per block.
-- `prepare_compile()`: before the first torch.compile in a process: one compile thread
-  (TORCHINDUCTOR_COMPILE_THREADS=1, so a learner's memory stays in budget), the compile caches in a temporary
-  folder of this launch, shared by its ranks (never the repository; removed when the process ends), and a C++
-  compiler, which inductor needs on a CPU.
-  Without one it says so in one sentence (`NoCompiler`), instead of torch's error deep inside the first step.
+- `prepare_compile()`: before the first torch.compile in a process: one compile thread (inductor's compile_threads,
+  so a learner's memory stays in budget), the compile caches in a temporary folder of this launch, shared by its
+  ranks (never the repository; removed when the process ends).
+- `require_cxx()`: the C++ compiler inductor needs on a CPU, found by torch's own lookup; without one, `NoCompiler`
+  says so in one sentence, instead of torch's error deep inside the first compiled step.
+- `still_working(what)`: a line at once, then one every few seconds, while a compile runs.
 - `GraphCounter`: a torch.compile backend that records each graph dynamo hands it (parameters, operations,
   collectives) and then runs torch's own backend on it ("aot_eager" by default, "inductor" for real code).
-- `HookTimeline`: a DDP comm hook around torch's allreduce_hook that records, with time.perf_counter, when DDP called
-  it for each bucket and when the all-reduce's future completed (our instrument, beside the profiler's events).
-- `relative_error(got, exact)`: ||got - exact|| / ||exact||, the lesson's gradient error.
+- `HookTimeline` and `timeline_hook`: a DDP comm hook around torch's allreduce_hook that records, with
+  time.perf_counter, when DDP called it for each bucket and when the all-reduce's future completed (our instrument,
+  beside the profiler's events).
+- `exact_average`, `flat_grad`, `relative_error`: the lesson's gradient error, ||got - exact|| / ||exact||, against
+  the exact average of the ranks' gradients.
+- `release(...)`: what a worker with comm hooks does before destroy_process_group (see its docstring).
 
 No `from __future__ import annotations` here: DDP checks a comm hook's return annotation when it is registered.
 """
@@ -103,10 +107,10 @@ def require_cxx() -> str:
         raise NoCompiler(NO_COMPILER.format(detail=error)) from None
 
 
-def prepare_compile(need_cxx: bool = True) -> str:
+def prepare_compile() -> str:
     """One compile thread; the compile caches in a temporary folder of this launch, the same for every rank (so that
-    a rank can read what another compiled) and removed at exit; returns that folder. With need_cxx, raise
-    NoCompiler when inductor could not compile here."""
+    a rank can read what another compiled) and removed at exit; returns that folder. Whether inductor can compile
+    here is require_cxx's question."""
     os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
     launch_id = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT") or str(os.getpid())
     cache = os.path.join(tempfile.gettempdir(), f"lesson13-compile-cache-{launch_id}")
@@ -115,8 +119,6 @@ def prepare_compile(need_cxx: bool = True) -> str:
     atexit.register(shutil.rmtree, cache, ignore_errors=True)
     import torch._inductor.config as inductor_config
     inductor_config.compile_threads = 1  # workers forked from the launch server inherit its config, already read
-    if need_cxx:
-        require_cxx()
     return cache
 
 

@@ -16,7 +16,7 @@ from typing import Any
 from helpers import LaunchTimeout, WorkerFailed, launch
 from helpers.kit import WORKERS
 from helpers.kit.timing import Timing, across_ranks, verdict
-from helpers.lessons.checks import correct, not_yet, not_yet_crashed
+from helpers.lessons.checks import announce_run, correct, not_yet, not_yet_crashed
 
 FLOAT32_BYTES = 4
 HALF_BYTES = 2
@@ -129,8 +129,7 @@ RELATIVE_TOLERANCE = 1e-2  # a 16-bit all-reduce rounds each value to 8 (bfloat1
 def check_hook(script: str | Path, timeout: float = 120, nproc: int = 2) -> bool:
     """Launch faster_hook_check.py with the compress_hook in `script` on `nproc` ranks and decide. Prints Correct
     or Not yet."""
-    print(f"Running your hook inside torch's DDP on {nproc} ranks (usually under 10 s; the check gives up after "
-          f"{timeout:g} s).", flush=True)
+    announce_run(f"{Path(script).name} inside torch's DDP", nproc, timeout, stop_after=30)
     try:
         run = launch(WORKERS / "faster_hook_check.py", nproc=nproc, echo=False, timeout=timeout,
                      args=["--impl", str(Path(script).resolve())])

@@ -189,7 +189,7 @@ def main() -> None:
     parser.add_argument("--parts", default="inductor,splits,autograd", help="which parts to run (the tests run one)")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
-    cache = prepare_compile(need_cxx=False)
+    cache = prepare_compile()
     rank, world_size, _ = init_distributed()
     torch_log = TorchLog()
     batches = digits_batches(rank, 32, 3)

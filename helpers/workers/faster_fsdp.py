@@ -43,7 +43,7 @@ def train(model, batches, log: CommLog) -> dict:
 
 
 def main() -> None:
-    prepare_compile(need_cxx=False)
+    prepare_compile()
     rank, world_size, _ = init_distributed()
     batches = digits_batches(rank, 32, STEPS)
     log = CommLog().install()

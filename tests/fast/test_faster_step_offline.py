@@ -67,7 +67,7 @@ def test_prepare_compile_keeps_caches_out_of_the_repository(monkeypatch):
     monkeypatch.setenv("MASTER_PORT", "12345")
     for name in ("TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_COMPILE_THREADS", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(name, raising=False)
-    cache = prepare_compile(need_cxx=False)
+    cache = prepare_compile()
     import torch._inductor.config as config
     assert os.environ["TORCHINDUCTOR_COMPILE_THREADS"] == "1" and config.compile_threads == 1
     assert cache == os.environ["TORCHINDUCTOR_CACHE_DIR"] and cache.startswith(tempfile.gettempdir())
@@ -173,3 +173,20 @@ def test_graph_counter_counts_the_graphs_of_a_real_compile():
     assert len(counter.graphs) == 1
     assert counter.graphs[0]["parameter_bytes"] == 4 * sum(p.numel() for p in model.parameters())
     assert counter.graphs[0]["collectives"] == []
+
+
+def test_pin_ddp_optimizer_first_bucket_and_log_line():
+    """Private parts of torch that lesson 13 reads (checked against torch 2.14.1): DDPOptimizer's first bucket of
+    torch.distributed._DEFAULT_FIRST_BUCKET_BYTES (section 3's graph counts and its 0.25 MiB error) and its log
+    line, which helpers/workers/faster_compile.py keeps and the notebook compares with its own count."""
+    import inspect
+
+    import torch.distributed as dist
+    from torch._dynamo.backends import distributed as ddp_optimizer
+
+    assert dist._DEFAULT_FIRST_BUCKET_BYTES == 2**20
+    with pytest.raises(AssertionError, match="First bucket should be smaller/equal to other buckets"):
+        ddp_optimizer.DDPOptimizer(bucket_bytes_cap=2**18, backend_compile_fn=lambda gm, inputs: gm)
+    assert "DDPOptimizer used bucket cap %s and created %d buckets" in inspect.getsource(
+        ddp_optimizer.pretty_print_buckets)
+    assert ddp_optimizer.log.name == "torch._dynamo.backends.distributed"
