@@ -60,6 +60,16 @@ def test_mystery_nan_flag_names_every_rank_anomaly_names_the_planted_one_and_eps
     assert check_mystery(rank, step, fixed)
 
 
+def test_mystery_check_says_a_lower_learning_rate_is_no_fix(capsys):
+    # A learner who guesses the NaN is a step too large: sqrt(0)'s infinite slope does not care about the step size
+    from helpers.lessons.debugging import planted
+
+    rank, step = planted()
+    slower = launch(MYSTERY, nproc=2, args=["--lr", "0.01"], timeout=60, echo=False)
+    assert not check_mystery(rank, step, slower)
+    assert "final losses are not finite" in capsys.readouterr().out
+
+
 # ------------------------------------------------------------------ lesson 08's Flight Recorder and live-hang tools
 
 def test_flight_recorder_records_by_default_and_zero_turns_it_off(monkeypatch, tmp_path):
@@ -109,6 +119,60 @@ def test_main_thread_frames_reads_py_spy_and_faulthandler_and_stops_at_the_scrip
     assert main_thread_frames(FAULTHANDLER_DUMP, "debug_collectives.py") == [
         "all_reduce (distributed_c10d.py:3913)", "train (debug_collectives.py:65)",
         "<module> (debug_collectives.py:127)"]
+
+
+WATCHDOG_LOG = """step 3: gradient[0] 3, samples 32
+Timeout (0:00:02)!
+Thread 0x00007f0000000001 (most recent call first):
+  File "/x/helpers/workers/debug_collectives.py", line 90 in loop
+
+Thread 0x00007f3138e18b80 (most recent call first):
+  File "/x/torch/distributed/distributed_c10d.py", line 6371 in barrier
+  File "/x/helpers/workers/debug_collectives.py", line 68 in meet
+  File "/x/helpers/workers/debug_collectives.py", line 189 in <module>
+  File "/x/helpers/launcher/bootstrap.py", line 96 in run_script
+Timeout (0:00:02)!
+Thread 0x00007f3138e18b80 (most recent call first):
+  File "/x/torch/distributed/distributed_c10d.py", line 6371 in barrier
+  File "/x/helpers/workers/debug_collectives.py", line 189 in <module>
+RuntimeError: the collective timed out
+"""
+
+
+def test_watchdog_dumps_reads_every_dump_of_the_thread_that_runs_the_script():
+    from helpers.lessons.debugging import watchdog_dumps
+
+    # a reader that took the first thread (a helper thread), or ran past the script's top level, would fail here
+    assert watchdog_dumps(WATCHDOG_LOG, "debug_collectives.py") == [
+        ["barrier (distributed_c10d.py:6371)", "meet (debug_collectives.py:68)", "<module> (debug_collectives.py:189)"],
+        ["barrier (distributed_c10d.py:6371)", "<module> (debug_collectives.py:189)"]]
+    assert watchdog_dumps("step 1: no dump here\n", "debug_collectives.py") == []
+
+
+def test_watchdog_leaves_each_hung_ranks_stack_without_a_signal():
+    from helpers.lessons.debugging import watchdog_dumps
+
+    error = failure(COLLECTIVES, ["--bug", "skip-barrier", "--watchdog", 1, "--timeout", 4], timeout=60)
+    dumps = {rank: watchdog_dumps(error.run.logs[rank], "debug_collectives.py") for rank in (0, 1)}
+    assert dumps[0] and dumps[0][0][0].startswith("barrier (") and dumps[1][0][0].startswith("all_reduce (")
+    # re-armed every step: the steps before the hang (a few ms each) leave no dump
+    fine = launch(COLLECTIVES, nproc=2, args=["--bug", "none", "--watchdog", 1], timeout=60, echo=False)
+    assert not any(watchdog_dumps(log, "debug_collectives.py") for log in fine.logs.values())
+
+
+def test_network_check_gets_the_known_sum_on_every_rank_and_runs_alone():
+    checked = launch(WORKERS / "debug_network_check.py", nproc=2, args=["--megabytes", 1], timeout=60, echo=False)
+    assert all(checked.results[rank]["sum_ok"] and checked.results[rank]["busbw"] > 0 for rank in (0, 1))
+    alone = launch(WORKERS / "debug_network_check.py", nproc=1, args=["--megabytes", 1], timeout=60, echo=False)
+    assert alone.results[0]["sum_ok"]
+
+
+def test_detail_cost_wraps_only_the_group_created_under_detail():
+    # Our worker's design: the comparison means something only if exactly one of the two groups is checked
+    run = launch(WORKERS / "debug_detail_cost.py", nproc=2, args=["--calls", 2, "--rounds", 5], timeout=60,
+                 echo=False)
+    assert (run.results[0]["plain"], run.results[0]["wrapped"]) == ("ProcessGroupGloo", "_ProcessGroupWrapper")
+    assert all(len(run.results[0]["timings"][name]["wall"]) == 5 for name in ("plain", "DETAIL"))
 
 
 def test_torchrun_summary_keeps_the_ranks_and_masks_what_changes_every_run():
