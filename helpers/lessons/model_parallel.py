@@ -186,8 +186,9 @@ def speed_figure(timings: Mapping[str, Timing], prefix: str = "wide m=", control
     if control in timings:
         low, high = (value * 1e3 for value in timings[control].spread())
         middle = timings[control].median() * 1e3
-        ax.errorbar([4], [middle], yerr=[[middle - low], [high - middle]], marker="s", capsize=4, color="tab:red",
-                    linestyle="none", label="m = 4, both ranks on one core")
+        at = int(control[len(prefix):].split(",")[0])
+        ax.errorbar([at], [middle], yerr=[[middle - low], [high - middle]], marker="s", capsize=4, color="tab:red",
+                    linestyle="none", label=f"m = {at}, both ranks on one core")
     ax.set(xscale="log", xlabel="micro-batches m", ylabel="step time, ms (wall)", ylim=(0, None),
            title="GPipe, 2 stages of real compute: step time")
     plain_log_ticks(ax, counts)

@@ -245,5 +245,5 @@ def test_speed_figure_draws_the_medians_their_spreads_the_formula_and_the_contro
                                                           for m in (1, 2, 4)]
     dashed = [line for line in ax.lines if line.get_linestyle() == "--"]
     assert len(dashed) == 1 and dashed[0].get_ydata()[-1] == pytest.approx(measured.get_ydata()[0] * 5 / 8)
-    assert "one core" in " ".join(text.get_text() for text in ax.get_legend().get_texts())
+    assert "m = 4, both ranks on one core" in [text.get_text() for text in ax.get_legend().get_texts()]
     plt.close(ax.figure)
