@@ -11,9 +11,7 @@ from helpers.lessons.collectives import (
     bus_factor,
     check_all_gather,
     fit_latency_bandwidth,
-    fit_ratios,
     format_bytes,
-    half_peak_sizes,
     owner,
     predict_allreduce_seconds,
 )
@@ -70,17 +68,6 @@ def test_exercise_check_reports_a_deadlock(tmp_path, capsys):
     assert not check_all_gather(stuck, nproc=1, timeout=3)
     said = capsys.readouterr().out
     assert "deadlock" in said and "rank 0: " in said and "stuck.py:3" in said, said  # says where the rank waits
-
-
-def test_half_peak_is_read_from_the_measurements():
-    sizes = [1024 * 4**i for i in range(5)]
-    seconds = [1e-3, 1e-3, 1e-3, 2e-3, 8e-3]  # algbw 1, 4, 16, 32, 32 MB/s: half of the highest is 16
-    assert half_peak_sizes(sizes, seconds) == (4096, 16384)
-    assert half_peak_sizes([1024, 4096], [1e-3, 4e-3]) == (None, 1024)  # flat: the first size already has it
-
-
-def test_fit_ratios_are_measured_over_fit():
-    assert fit_ratios([1000, 2000], [2e-3, 1e-3], latency=0.0, bandwidth=1e6) == pytest.approx([2.0, 0.5])
 
 
 def test_exercise_check_names_the_unfilled_own_slot_and_refuses_an_imported_collective(tmp_path, capsys):
