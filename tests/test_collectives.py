@@ -10,10 +10,12 @@ from helpers.lessons.collectives import (
     bandwidth_rows,
     bus_factor,
     check_all_gather,
+    excerpt,
     fit_latency_bandwidth,
     format_bytes,
     owner,
     predict_allreduce_seconds,
+    ring_holdings,
 )
 
 
@@ -27,6 +29,11 @@ def test_hand_written_ring_matches_all_reduce_and_sends_the_ring_share(nproc, nu
         assert abs(outcome["bytes_sent"] - share) <= 2 * (nproc - 1) * 4  # at most a float per step
         if outcome["ring_os_bytes"] is not None:  # Linux: the OS saw at least those bytes, plus headers
             assert share <= outcome["ring_os_bytes"] <= share + 1024 * max(nproc - 1, 0)
+    # the lesson's picture: after the reduce-scatter rank r owns chunk (r+1) % N whole; at the end every chunk is
+    holdings = ring_holdings(run)
+    assert len(holdings) == 2 * (nproc - 1) + 1
+    assert all(len(holdings[nproc - 1][r][(r + 1) % nproc]) == nproc for r in range(nproc))
+    assert all(members == list(range(nproc)) for rank in holdings[-1] for members in rank)
 
 
 def test_exercise_check_accepts_the_solution_and_rejects_a_stub(tmp_path, capsys):
@@ -152,3 +159,24 @@ def test_exercise_check_asks_about_wait_when_an_entry_holds_values_no_rank_sent(
     assert not check_all_gather(script)
     out = capsys.readouterr().out
     assert "entry 1 holds [-1.0, -1.0, -1.0], values no rank sent: did you wait() on every irecv" in out
+
+
+def test_exercise_check_names_the_learners_line_when_the_script_crashes(tmp_path, capsys):
+    """A learner's all_gather that raises (here: one slot too many) gets the rank, its own file:line and the error."""
+    solution = (WORKERS / "collectives_all_gather_solution.py").read_text()
+    mistake = "    gathered = [torch.empty_like(tensor) for _ in range(world_size)]\n"
+    assert mistake in solution
+    script = tmp_path / "my_all_gather.py"
+    script.write_text(solution.replace(mistake, mistake + "    gathered[world_size].zero_()\n"))
+    line = script.read_text().splitlines().index("    gathered[world_size].zero_()") + 1
+    assert not check_all_gather(script)
+    out = capsys.readouterr().out
+    assert "Not yet: my_all_gather.py crashed on rank " in out and f"my_all_gather.py:{line}" in out, out
+    assert "IndexError: list index out of range" in out and "rank<N>.log" in out, out
+
+
+def test_excerpt_shows_the_marked_lines_and_names_them(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text("import torch\n\n\ndef f():\n    a = 1\n    return a\n")
+    shown = excerpt(script, "def f", "return a").data
+    assert shown == "# worker.py, lines 4-6\ndef f():\n    a = 1\n    return a"
