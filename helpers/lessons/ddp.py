@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from helpers.kit.tensors import flat, max_abs_diff, parameter_checksum
+from helpers.kit.timing import NOT_DISTINGUISHABLE, Timing, Verdict, verdict
 from helpers.lessons.checks import announce_run, correct, each_rank, not_yet
 
 
@@ -114,88 +115,49 @@ def last_error_line(text: str) -> str:
     return re.sub(r"(from )?'?/[^\s'>]*'?", "", line).replace(" >", ">").strip()
 
 
-# ---------------------------------------------------------------- section 8: one rank or two, what the controls say
-
-STEP_SETTINGS = {"one": "1 rank(s) x 1 thread(s)", "two_threads": "1 rank(s) x 2 thread(s)",
-                 "ddp": "2 rank(s) x 1 thread(s)", "quiet": "2 rank(s) x 1 thread(s), no all-reduce",
-                 "half": "1 rank(s) x 1 thread(s), batch 32"}
+# ---------------------------------------------------------------- one rank or two, timed by the protocol
 
 
-def _batch_saving(one: float, half: float) -> str:
-    """What halving the batch did to one rank's step, in words that stay true when it saved nothing."""
-    saved = 1 - half / one
-    if abs(saved) < 0.005:
-        return "halving the batch did not change the step time"
-    return f"halving the batch saved {saved:.0%} of the step" if saved > 0 else \
-        f"at half the batch the step took {-saved:.0%} longer"
+def step_settings(model: str, world_size: int = 2, global_batch: int = 64) -> dict[str, str]:
+    """ddp_step_time.py's setting names for one model, by role."""
+    return {"ddp": f"{model}, DDP, {world_size} ranks", "quiet": f"{model}, DDP, no all-reduce",
+            "bare": f"{model}, all-reduce alone", "half": f"{model}, 1 rank, batch {global_batch // world_size}",
+            "one": f"{model}, 1 rank, 1 thread", "two_threads": f"{model}, 1 rank, 2 threads"}
 
 
-def _speed_word(ratio: float) -> str:
-    return "about the same" if 0.9 <= ratio <= 1.1 else "faster" if ratio > 1 else "slower"
+def _said(found: Verdict) -> str:
+    """A verdict in a few words: which is faster and by how much, or "not distinguishable on this machine"."""
+    if not found.distinguishable:
+        return NOT_DISTINGUISHABLE
+    return f"{found.faster.split(', ', 1)[1]} is faster, {found.ratio:.2f}x"
 
 
-def explain_step_times(step_ms: dict[str, float], parameters: dict[str, int],
-                       blocks: dict[str, list[float]]) -> dict[str, float]:
-    """Print, per model, the differences between ddp_step_time.py's settings (median ms per step) and what they
-    say; return each setting's speed against 1 rank x 1 thread (for a bar chart). The differences:
-    sharing = no all-reduce - 1 rank at batch 32 (2 processes on 2 shared cores, DDP's bookkeeping);
-    all-reduce = DDP - no all-reduce (the all-reduce, including waiting for the partner);
-    extra = DDP - 1 rank at batch 32 (all that 2 ranks add to one rank's half of the work).
-    `blocks`: each setting's seconds per step in every block (their spread says how noisy a median is)."""
-    speedup = {}
-    for model, name in (("simple", "the article's model"), ("cnn", "the CNN")):
-        one, half, quiet, ddp, two_threads = (step_ms[f"{model}, {STEP_SETTINGS[key]}"]
-                                              for key in ("one", "half", "quiet", "ddp", "two_threads"))
-        for short, value in (("2 threads", two_threads), ("2 ranks,\nno all-reduce", quiet), ("2 ranks", ddp)):
-            speedup[f"{model}\n{short}"] = one / value
-        bare = step_ms[f"{model}, all_reduce alone, {parameters[model]} floats"]
-        sharing, all_reduce = quiet - half, ddp - quiet
-        print(f"{name}: against 1 rank x 1 thread, DDP on 2 ranks ran at {one / ddp:.2g}x the speed "
-              f"({_speed_word(one / ddp)}), 2 threads in one process at {one / two_threads:.2g}x "
-              f"({_speed_word(one / two_threads)}); medians of this run. The detail:")
-        print(f"  1 rank {one:.2f} ms per step at batch 64, {half:.2f} ms at batch 32 "
-              f"({_batch_saving(one, half)});\n"
-              f"  2 ranks without the all-reduce: {quiet:.2f} ms ({sharing:+.2f} ms against 1 rank at batch 32: "
-              f"2 processes on 2 shared cores, and DDP's bookkeeping);\n"
-              f"  2 ranks with DDP's all-reduce:  {ddp:.2f} ms ({all_reduce:+.2f} ms against no all-reduce: the "
-              f"all-reduce, including waiting for the partner);\n"
-              f"  the all-reduce alone, {parameters[model]:,} floats, no training around it: {bare:.2f} ms.")
-        if ddp > half and all_reduce > 0:
-            extra = ddp - half
-            share, transfer = all_reduce / extra, bare / extra
-            # share = (DDP - no all-reduce) / (DDP - batch 32) is over 100% exactly when the no-all-reduce
-            # control ran faster than 1 rank at batch 32 (sharing < 0), although it computes the same per rank.
-            over = ""
-            if share > 1:
-                labels = {key: f"{model}, {STEP_SETTINGS[key]}" for key in ("half", "quiet")}
-                spread = {key: 1e3 * (max(blocks[label]) - min(blocks[label])) for key, label in labels.items()}
-                noise = (f"the blocks of those two settings spread over {spread['quiet']:.2f} ms (no all-reduce) and "
-                         f"{spread['half']:.2f} ms (1 rank at batch 32), "
-                         f"so this run cannot tell them apart: read it as all of the extra"
-                         if -sharing < max(spread.values()) else
-                         "more than either setting's spread over its blocks, so not noise between blocks alone; this "
-                         "run does not say why")
-                over = (f";\n  that share is over 100% because the 2 ranks without the all-reduce ran "
-                        f"{-sharing:.2f} ms faster per step than 1 rank at batch 32, which does the same per-rank "
-                        f"work without DDP: {noise}")
-            bare_times = blocks[f"{model}, all_reduce alone, {parameters[model]} floats"]
-            over_transfer = (f" (over 100%: the all-reduce alone, timed in its own blocks, took longer than the whole "
-                             f"extra; its blocks spread over {1e3 * (max(bare_times) - min(bare_times)):.2f} ms)"
-                             if transfer > 1 else "")
-            # The no-all-reduce control removes two things at once: the transfer, and the coupling of the ranks at
-            # every step (each waits for the slower one). The all-reduce alone estimates the transfer by itself.
-            rest = all_reduce - bare
-            cause = ("most of what the all-reduce costs here is not the bare transfer; this run does not split the "
-                     "rest (waiting for the partner, DDP's work around the all-reduce)"
-                     if rest > bare else "what the all-reduce costs here is mostly the transfer itself")
-            print(f"  Of the {extra:.2f} ms above 1 rank at batch 32, removing the all-reduce removes {share:.0%} "
-                  f"(the transfer and the per-step wait for the partner together){over};\n"
-                  f"  the transfer alone (the all-reduce with no training around it) is about {transfer:.0%}"
-                  f"{over_transfer}:\n  {cause}.")
-        else:
-            print("  Here DDP was not slower than the control: this run's noise is larger than what the all-reduce "
-                  "costs, so it cannot split the 2-rank step.")
-    return speedup
+def read_step_times(timings: dict[str, Timing], parameters: dict[str, int]) -> dict[str, dict[str, Verdict]]:
+    """Print ddp_step_time.py's timings per model (median and spread of the rounds, wall and CPU time) and the
+    verdicts of the comparisons that matter; return the verdicts, by model and question.
+    The questions: is DDP on 2 ranks faster than 1 process (wall)? are 2 threads faster than 1? what does the
+    all-reduce cost (DDP against DDP with a hook that sends nothing, wall and CPU)? what do 2 processes cost
+    (no all-reduce against 1 rank at the per-rank batch, wall)?"""
+    verdicts = {}
+    for model, title in (("simple", "the article's model"), ("cnn", "the CNN")):
+        names = step_settings(model)
+        print(f"{title} ({parameters[model]:,} gradients to all-reduce per step), per step, median of "
+              f"{len(timings[names['one']].wall)} rounds (lowest-highest):")
+        for name in names.values():
+            timing = timings[name]
+            print(f"  {name.split(', ', 1)[1]:<20} wall {timing.summary():<24} CPU {timing.summary('cpu')}")
+        found = {"ddp": verdict(timings[names["ddp"]], timings[names["one"]]),
+                 "threads": verdict(timings[names["two_threads"]], timings[names["one"]]),
+                 "all-reduce": verdict(timings[names["ddp"]], timings[names["quiet"]]),
+                 "all-reduce cpu": verdict(timings[names["ddp"]], timings[names["quiet"]], kind="cpu"),
+                 "processes": verdict(timings[names["quiet"]], timings[names["half"]])}
+        print(f"  DDP on 2 ranks against 1 rank, 1 thread (wall): {_said(found['ddp'])}\n"
+              f"  2 threads against 1 thread, one process (wall): {_said(found['threads'])}\n"
+              f"  the all-reduce's cost, DDP against DDP without it: wall: {_said(found['all-reduce'])}; "
+              f"CPU: {_said(found['all-reduce cpu'])}\n"
+              f"  2 processes' cost, no all-reduce against 1 rank at batch 32 (wall): {_said(found['processes'])}")
+        verdicts[model] = found
+    return verdicts
 
 
 # ---------------------------------------------------------------- the exercise
