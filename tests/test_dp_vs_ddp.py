@@ -1,6 +1,7 @@
-"""Lesson 03's library (DataParallel's CPU twin, the overlap measure) and the exercise's check. The dp_vs_ddp_*
-workers are launched, and asserted, by the lesson (notebooks/03_dataparallel_vs_ddp.ipynb, under pytest --nbval);
-here only what the lesson does not check of them: the overlap worker's --profiled steps and their events."""
+"""Lesson 03's library (DataParallel's CPU twin, when DDP issues its all-reduces) and the exercise's check. The
+dp_vs_ddp_* workers are launched, and asserted, by the lesson (notebooks/03_dataparallel_vs_ddp.ipynb, under pytest
+--nbval); here only what the lesson does not check of them, at the smallest sizes: the options that the lesson never
+passes, the profiled events, and that every timed setting takes its turns."""
 from __future__ import annotations
 
 import pytest
@@ -11,7 +12,8 @@ from helpers import WORKERS, launch
 from helpers.kit.dp_vs_ddp import NaiveDataParallel, replicate, torch_replicate_on_cpu
 from helpers.kit.models import SimpleModel
 from helpers.kit.tensors import max_abs_diff
-from helpers.lessons.dp_vs_ddp import check_traffic, intersect, merge, overlap, single_device_gradients, subtract
+from helpers.kit.timing import across_ranks
+from helpers.lessons.dp_vs_ddp import check_traffic, intersect, issue_order, merge, single_device_gradients, subtract
 
 
 @pytest.fixture(autouse=True)
@@ -108,17 +110,17 @@ def test_span_arithmetic() -> None:
     assert subtract([(0, 10)], [(2, 3), (8, 12)]) == [(0, 2), (3, 8)]
 
 
-def test_overlap_counts_only_running_communication_during_compute() -> None:
-    events = [{"kind": "backward", "start_us": 0, "end_us": 10},
-              {"kind": "all-reduce issued", "start_us": 4, "end_us": 5},   # not compute: a hole in the backward
-              {"kind": "all-reduce running", "start_us": 4.5, "end_us": 12}]
-    result = overlap(events)
-    assert result["overlap_us"] == 5 and result["communication_us"] == 7.5
-    assert result["fraction"] == pytest.approx(5 / 7.5)
-    assert result["communication_after_backward_us"] == 2
-    serial = overlap([{"kind": "backward", "start_us": 0, "end_us": 10},
-                      {"kind": "all-reduce running", "start_us": 10, "end_us": 14}])
-    assert serial["fraction"] == 0
+def test_issue_order_counts_the_backward_ops_left_after_the_first_issue() -> None:
+    events = [{"kind": "backward", "start_us": t, "end_us": t + 1} for t in (0, 2, 4, 6)]
+    events += [{"kind": "all-reduce issued", "start_us": 3, "end_us": 3.5},   # after 2 of the 4 ops started
+               {"kind": "all-reduce running", "start_us": 3.5, "end_us": 9},
+               {"kind": "all-reduce issued", "start_us": 7.5, "end_us": 8}]   # after the last op started
+    order = issue_order(events)
+    counts = (order["ops"], order["ops_after_first_issue"], order["issued"], order["issued_before_last_op"])
+    assert counts == (4, 2, 2, 1)
+    assert order["share_after_first_issue"] == 0.5
+    last_only = issue_order([e for e in events if e["start_us"] != 3])
+    assert last_only["ops_after_first_issue"] == 0 and last_only["issued_before_last_op"] == 0
 
 
 def test_data_parallel_is_a_pass_through_without_gpus() -> None:
@@ -130,27 +132,48 @@ def test_data_parallel_is_a_pass_through_without_gpus() -> None:
     assert wrapped.device_ids == [] and torch.equal(wrapped(images), model(images))
 
 
-def test_overlap_worker_returns_profiled_steps_with_every_kind_of_event() -> None:
-    """--profiled, which the lesson never passes; and events of all three kinds in every step (the lesson's control,
-    an overlap below 5% with one bucket, would also pass if no all-reduce were recorded: overlap() gives 0 then)."""
-    run = launch(WORKERS / "dp_vs_ddp_overlap.py", nproc=2,
-                 args=["--bucket-cap-mb", "1", "--per-rank-batch", "4", "--steps", "3", "--profiled", "2"], echo=False)
+def test_overlap_worker_takes_turns_and_returns_profiled_steps_with_every_kind_of_event() -> None:
+    """--profiled and --turn-steps, which the lesson never passes; events of all three kinds in every profiled step;
+    a backward wall time and thread CPU time for every timed backward; 5 rounds for every setting."""
+    run = launch(WORKERS / "dp_vs_ddp_overlap.py", nproc=2, echo=False,
+                 args=["--per-rank-batch", "4", "--rounds", "5", "--turn-steps", "1", "--profiled", "2"])
     res = run.results[0]
-    assert len(res["steps"]) == 2
-    for events in res["steps"]:
-        assert {e["kind"] for e in events} == {"backward", "all-reduce issued", "all-reduce running"}
-        assert 0 <= overlap(events)["fraction"] <= 1
+    assert sorted(res["profiled"]) == ["1 bucket", "4 buckets"]
+    for profiled in res["profiled"].values():
+        assert len(profiled["steps"]) == len(profiled["backward_cpu"]) == 2
+        for events in profiled["steps"]:
+            assert {e["kind"] for e in events} == {"backward", "all-reduce issued", "all-reduce running"}
+    assert all(len(spans["wall"]) == len(spans["cpu"]) == 5 for spans in res["backward"].values())
+    timings = across_ranks([run.results[rank]["timings"] for rank in (0, 1)])
+    assert sorted(timings) == ["1 bucket", "4 buckets", "4 buckets, no all-reduce"]
+    assert all(len(t.wall) == len(t.cpu) == 5 for t in timings.values())
 
 
 def test_options_worker_counts_the_reducers_copies_for_both_ways_of_zeroing() -> None:
     """gradient_as_bucket_view: the gradients end in the buckets with set_to_none True and False, and the reducer
     copies every gradient only with True; a copy count of zero both ways would mean the profiler records nothing."""
-    run = launch(WORKERS / "dp_vs_ddp_options.py", nproc=2, args=["--steps", "3", "--per-rank-batch", "4"], echo=False)
+    run = launch(WORKERS / "dp_vs_ddp_options.py", nproc=2, echo=False,
+                 args=["--rounds", "5", "--turn-steps", "1", "--per-rank-batch", "4"])
     res = run.results[0]
     zeroing = {row["set_to_none"]: row for row in res["bucket_view_zeroing"]}
     buckets = res["gradient_as_bucket_view"]["buckets"]
     assert zeroing[True]["grad_storages"] == zeroing[False]["grad_storages"] == buckets
     assert zeroing[False]["reducer_copies"] == 0 < zeroing[True]["reducer_copies"] == zeroing[True]["parameters"]
+    assert sorted(res["timings"]) == ["default", "find_unused_parameters", "gradient_as_bucket_view", "static_graph"]
+
+
+def test_speed_worker_settings_take_turns_and_train_the_same_weights() -> None:
+    """dp_vs_ddp_speed.py at its smallest: every setting takes 5 turns, rank 1 sits out the one-process settings
+    (their time is rank 0's), and every setting ends with the control's weights."""
+    run = launch(WORKERS / "dp_vs_ddp_speed.py", nproc=2, echo=False,
+                 args=["--global-batch", "16", "--width", "32", "--depth", "3", "--rounds", "5", "--turn-steps", "1"])
+    res = run.results[0]
+    assert res["what"] == ["DDP, 2 processes", "our DataParallel, 2 threads", "1 process, 2 threads",
+                           "1 process, 1 thread"]
+    assert len(set(res["steps"].values())) == 1 and max(res["weights_diff"].values()) < 1e-5
+    timings = across_ranks([run.results[rank]["timings"] for rank in (0, 1)])
+    assert all(len(t.wall) == 5 for t in timings.values())
+    assert max(run.results[1]["timings"]["1 process, 1 thread"]["wall"]) < min(timings["1 process, 1 thread"].wall)
 
 
 def test_naive_data_parallel_builds_its_replicas_with_torchs_replicate(monkeypatch) -> None:

@@ -24,7 +24,7 @@ from torch import nn
 
 from helpers.kit.tensors import flat, max_abs_diff, parameter_checksum
 from helpers.kit.timing import NOT_DISTINGUISHABLE, Timing, Verdict, verdict
-from helpers.lessons.checks import announce_run, correct, each_rank, not_yet
+from helpers.lessons.checks import announce_run, correct, each_rank, explain_crash, not_yet, not_yet_crashed
 
 
 def single_process_reference(global_batch: int, steps: int, lr: float = 0.1, seed: int = 0) -> dict:
@@ -115,6 +115,88 @@ def last_error_line(text: str) -> str:
     return re.sub(r"(from )?'?/[^\s'>]*'?", "", line).replace(" >", ">").strip()
 
 
+# ---------------------------------------------------------------- pictures and runs of the lesson
+
+
+def plot_ddp_gradients(alone: dict[int, dict], ddp: dict[int, dict], count: int = 16):
+    """The first step's gradient, last `count` values (the output layer's), of each rank training alone on its own
+    share, and of each rank under DDP: DDP's is the mean of the ranks' own (ddp_equivalence.py's results)."""
+    import matplotlib.pyplot as plt
+
+    _, ax = plt.subplots(figsize=(8, 3.2), dpi=80, layout="constrained")
+    positions = range(count)
+    for rank, marker in ((0, "v"), (1, "^")):
+        ax.plot(positions, alone[rank]["first_gradient"][-count:], marker, color=f"C{rank}", alpha=0.8,
+                label=f"rank {rank} alone: the gradient of its own 16 samples")
+    for rank, style in ((0, {"s": 90, "facecolors": "none", "edgecolors": "k"}), (1, {"s": 18, "color": "k"})):
+        ax.scatter(positions, ddp[rank]["first_gradient"][-count:], label=f"rank {rank} under DDP", **style)
+    ax.axhline(0, color="grey", lw=0.5)
+    ax.set(xlabel=f"the last {count} gradient values (the output layer)", ylabel="gradient",
+           title="After DDP's backward every rank holds the mean of the ranks' own gradients")
+    ax.legend(fontsize="small", ncol=2)
+    return ax
+
+
+def _run_together(commands: dict[str, list[str]], timeout: float, say_every: float = 4.0) -> dict[str, str]:
+    """Run these commands at the same time (this repository on PYTHONPATH); print progress while they run; return
+    each one's stdout and stderr together."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from helpers.kit import REPO_ROOT
+
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    running = {name: subprocess.Popen([sys.executable, *command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, env=env) for name, command in commands.items()}
+    started = next_word = time.monotonic()
+    while any(process.poll() is None for process in running.values()):
+        if time.monotonic() - started > timeout:
+            for process in running.values():
+                process.kill()
+            raise TimeoutError(f"still running after {timeout:g} s: {', '.join(commands)}")
+        if time.monotonic() >= next_word + say_every:
+            next_word = time.monotonic()
+            print(f"  ... {next_word - started:.0f} s", flush=True)
+        time.sleep(0.2)
+    return {name: process.communicate()[0] for name, process in running.items()}
+
+
+def fork_probe() -> dict[str, str]:
+    """ddp_fork_probe.py's child's line for each question the parent asked before it forked (three processes)."""
+    from helpers.kit import WORKERS
+
+    questions = ("nothing", "is_available", "device_count")
+    said = _run_together({q: [str(WORKERS / "ddp_fork_probe.py"), q] for q in questions}, timeout=120)
+    return {question: said[question].strip().splitlines()[-1] for question in questions}
+
+
+def torchrun_failure_reports() -> dict[str, str]:
+    """Run ddp_failure_report.py under torchrun on 2 processes, without and with --record, at the same time; return
+    what each printed (stdout and stderr)."""
+    from helpers.kit import WORKERS
+
+    command = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(WORKERS / "ddp_failure_report.py")]
+    return _run_together({"without @record": command, "with @record": [*command, "--record"]}, timeout=240)
+
+
+def failure_report(output: str) -> str:
+    """torchrun's ChildFailedError report from a run's output, without what changes from run to run (times, host,
+    process ids, temporary paths, ports) and with torch's own frames shortened to their file names."""
+    report = output[output.index("torch.distributed.elastic.multiprocessing.errors.ChildFailedError"):]
+    report = re.sub(r"(time\s+: ).*", r"\1<time>", report)
+    report = re.sub(r"(host\s+: ).*", r"\1<host>", report)
+    report = re.sub(r"\(pid: \d+\)", "(pid: <pid>)", report)
+    report = re.sub(r"PID \d+", "PID <pid>", report)
+    report = re.sub(r"/\S*/torchelastic_\S*/attempt_", "<torchrun's temporary folder>/attempt_", report)
+    report = re.sub(r"\[[\d.]+\]:\d+", "[127.0.0.1]:<port>", report)
+    report = re.sub(r'File "\S*/(torch/\S+|helpers/\S+)"', r'File "\1"', report)
+    report = re.sub(r"^/\S*/(helpers/\S+ FAILED)", r"\1", report, flags=re.M)
+    return re.sub(r"\[/\S+/third_party/", "[third_party/", report).strip()
+
+
 # ---------------------------------------------------------------- one rank or two, timed by the protocol
 
 
@@ -125,11 +207,19 @@ def step_settings(model: str, world_size: int = 2, global_batch: int = 64) -> di
             "one": f"{model}, 1 rank, 1 thread", "two_threads": f"{model}, 1 rank, 2 threads"}
 
 
-def _said(found: Verdict) -> str:
-    """A verdict in a few words: which is faster and by how much, or "not distinguishable on this machine"."""
+def said(found: Verdict, prefix: str = "") -> str:
+    """A verdict in a few words: which is faster and by how much, or "not distinguishable on this machine"; `prefix`
+    (a model's name and comma, say) is left out of the setting's name."""
     if not found.distinguishable:
         return NOT_DISTINGUISHABLE
-    return f"{found.faster.split(', ', 1)[1]} is faster, {found.ratio:.2f}x"
+    return f"{found.faster.removeprefix(prefix)} is faster, {found.ratio:.2f}x"
+
+
+def print_timings(timings: dict[str, Timing], prefix: str = "", indent: str = "  ") -> None:
+    """One line per setting: the median and spread of its rounds, wall time and CPU time."""
+    width = max(len(name.removeprefix(prefix)) for name in timings)
+    for name, timing in timings.items():
+        print(f"{indent}{name.removeprefix(prefix):<{width}}  wall {timing.summary():<24} CPU {timing.summary('cpu')}")
 
 
 def read_step_times(timings: dict[str, Timing], parameters: dict[str, int]) -> dict[str, dict[str, Verdict]]:
@@ -143,19 +233,18 @@ def read_step_times(timings: dict[str, Timing], parameters: dict[str, int]) -> d
         names = step_settings(model)
         print(f"{title} ({parameters[model]:,} gradients to all-reduce per step), per step, median of "
               f"{len(timings[names['one']].wall)} rounds (lowest-highest):")
-        for name in names.values():
-            timing = timings[name]
-            print(f"  {name.split(', ', 1)[1]:<20} wall {timing.summary():<24} CPU {timing.summary('cpu')}")
+        print_timings({name: timings[name] for name in names.values()}, prefix=f"{model}, ")
         found = {"ddp": verdict(timings[names["ddp"]], timings[names["one"]]),
                  "threads": verdict(timings[names["two_threads"]], timings[names["one"]]),
                  "all-reduce": verdict(timings[names["ddp"]], timings[names["quiet"]]),
                  "all-reduce cpu": verdict(timings[names["ddp"]], timings[names["quiet"]], kind="cpu"),
                  "processes": verdict(timings[names["quiet"]], timings[names["half"]])}
-        print(f"  DDP on 2 ranks against 1 rank, 1 thread (wall): {_said(found['ddp'])}\n"
-              f"  2 threads against 1 thread, one process (wall): {_said(found['threads'])}\n"
-              f"  the all-reduce's cost, DDP against DDP without it: wall: {_said(found['all-reduce'])}; "
-              f"CPU: {_said(found['all-reduce cpu'])}\n"
-              f"  2 processes' cost, no all-reduce against 1 rank at batch 32 (wall): {_said(found['processes'])}")
+        short = {key: said(value, f"{model}, ") for key, value in found.items()}
+        print(f"  DDP on 2 ranks against 1 rank, 1 thread (wall): {short['ddp']}\n"
+              f"  2 threads against 1 thread, one process (wall): {short['threads']}\n"
+              f"  the all-reduce's cost, DDP against DDP without it: wall: {short['all-reduce']}; "
+              f"CPU: {short['all-reduce cpu']}\n"
+              f"  2 processes' cost, no all-reduce against 1 rank at batch 32 (wall): {short['processes']}")
         verdicts[model] = found
     return verdicts
 
@@ -232,16 +321,17 @@ def check_ddp_worker(script: str | Path, nproc: int = 2, timeout: float = 60) ->
     try:
         run = launch(script, nproc=nproc, echo=False, timeout=timeout)
     except LaunchTimeout as error:
+        folder = f" Everything each rank printed is in {error.run.log_dir}/." if error.run is not None else ""
         return not_yet(f"your script was still running after {timeout:g} s. A collective that not every rank "
                        f"calls (say, all_reduce or broadcast inside `if rank == 0:`) waits for the others until the "
                        f"process group's timeout. Next time, press Stop (■) as soon as it seems stuck: the launcher "
-                       f"says the same at once. Where each rank was:{each_rank(error.where)}")
+                       f"says the same at once. Where each rank was:{each_rank(error.where)}{folder}")
     except WorkerFailed as error:
-        if not re.search(r"^\s*[\w.]+(Error|Exception)\b", str(error), re.M):  # no rank raised: say who left
-            return not_yet(f"your script failed on {nproc} ranks: {str(error).strip().splitlines()[0]} A rank that "
-                           "finishes while another still waits in a collective ends like this on gloo: every rank "
-                           "must call the same collectives in the same order (is one inside `if rank == 0:`?).")
-        return not_yet(f"your script failed on {nproc} ranks: {last_error_line(error)}")
+        if error.rank is not None and error.error is None:  # no rank raised: one left while another still waited
+            return not_yet(f"{explain_crash(error, 'your script')} A rank that finishes while another still waits "
+                           "in a collective ends like this on gloo: every rank must call the same collectives in the "
+                           "same order (is one inside `if rank == 0:`?).")
+        return not_yet_crashed(error, "your script")
     if sorted(run.results) != list(range(nproc)) or any("weights" not in r for r in run.results.values()):
         return not_yet("every rank must call result(weights=..., samples_seen=...) as the original script does.")
     seen = [run.results[rank]["samples_seen"] for rank in range(nproc)]

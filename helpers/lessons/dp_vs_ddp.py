@@ -66,6 +66,28 @@ def check_traffic(traffic: Callable[[int, int], int]) -> bool:
                    "2 x (devices - 1) x parameter bytes per iteration, as our rebuild's Broadcast counted them.")
 
 
+def plot_dp_iteration(phase_seconds: dict[str, float], devices: int, title: str):
+    """An iteration of our rebuild, phase by phase in the order they run (seconds per phase, e.g. medians over
+    iterations): the phases every device runs at once on its own thread (forward, backward) on every device's row;
+    the rest on device 0's alone."""
+    import matplotlib.pyplot as plt
+
+    _, ax = plt.subplots(figsize=(9, 1.5 + 0.45 * devices), dpi=80, layout="constrained")
+    start = 0.0
+    for index, (phase, seconds) in enumerate(phase_seconds.items()):
+        rows = range(devices) if phase in ("forward", "backward") else [0]
+        for row in rows:
+            ax.broken_barh([(start, max(1000 * seconds, 0.01))], (row - 0.4, 0.8), color=f"C{index}",
+                           edgecolor="white", label=phase if row == 0 else None)
+        start += 1000 * seconds
+    ax.set_yticks(range(devices), [f"device {d}" for d in range(devices)])
+    ax.invert_yaxis()
+    ax.set(xlabel="milliseconds since the iteration began", title=title)
+    ax.legend(ncol=len(phase_seconds), fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.35))
+    ax.grid(axis="x", alpha=0.3)
+    return ax
+
+
 # ---------------------------------------------------------------------------- DDP: overlap, measured
 
 Span = tuple[float, float]
