@@ -24,7 +24,7 @@ from torch import nn
 
 from helpers.kit.tensors import flat, max_abs_diff, parameter_checksum
 from helpers.kit.timing import NOT_DISTINGUISHABLE, Timing, Verdict, verdict
-from helpers.lessons.checks import announce_run, correct, each_rank, explain_crash, not_yet, not_yet_crashed
+from helpers.lessons.checks import announce_run, correct, each_rank, not_yet, not_yet_crashed
 
 
 def single_process_reference(global_batch: int, steps: int, lr: float = 0.1, seed: int = 0) -> dict:
@@ -328,9 +328,11 @@ def check_ddp_worker(script: str | Path, nproc: int = 2, timeout: float = 60) ->
                        f"says the same at once. Where each rank was:{each_rank(error.where)}{folder}")
     except WorkerFailed as error:
         if error.rank is not None and error.error is None:  # no rank raised: one left while another still waited
-            return not_yet(f"{explain_crash(error, 'your script')} A rank that finishes while another still waits "
-                           "in a collective ends like this on gloo: every rank must call the same collectives in the "
-                           "same order (is one inside `if rank == 0:`?).")
+            folder = f" Everything each rank printed is in {error.run.log_dir}/." if error.run is not None else ""
+            return not_yet(f"your script failed on {nproc} ranks: {str(error).strip().splitlines()[0]} A rank that "
+                           "finishes while another still waits in a collective ends like this on gloo: every rank "
+                           "must call the same collectives in the same order (is one inside `if rank == 0:`?)."
+                           + folder)
         return not_yet_crashed(error, "your script")
     if sorted(run.results) != list(range(nproc)) or any("weights" not in r for r in run.results.values()):
         return not_yet("every rank must call result(weights=..., samples_seen=...) as the original script does.")

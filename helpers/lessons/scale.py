@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from helpers.kit.tensors import storage_bytes
+
 GB = 1e9  # the ZeRO paper and the Playbook print GB = 10**9 bytes (7.5e9 x 16 bytes = 120 GB)
 STAGES = ("DP", "ZeRO-1", "ZeRO-2", "ZeRO-3")
 PARTS = ("fp16 weights", "fp16 gradients", "fp32 master weights", "Adam state")
@@ -63,24 +65,6 @@ def _shard(model: nn.Sequential, mesh: Any) -> nn.Sequential:
     return fully_shard(model, mesh=mesh)  # one unit: FSDP2 still shards every parameter on its own (dim 0)
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """What this rank stores: a DTensor's local shard, or the tensor itself."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
-def tensor_bytes(tensors: Any) -> int:
-    """Bytes of the storage behind `tensors` on this rank, each storage counted once.
-
-    A DTensor counts its local shard's storage: FSDP2 keeps each shard padded to ceil(rows / N) rows
-    (FSDPParam._sharded_param_data in torch/distributed/fsdp/_fully_shard/_fsdp_param.py), so where N does not
-    divide the rows this is more than the shard's own numel. Under FakeTensorMode no byte is allocated."""
-    storages = {}
-    for tensor in tensors:
-        storage = _local(tensor).untyped_storage()
-        storages[storage._cdata] = storage.nbytes()
-    return sum(storages.values())
-
-
 def _trained(model: nn.Sequential, dtype: torch.dtype, optimizer: bool) -> dict[str, list[torch.Tensor]]:
     """One forward, backward (and Adam step) on a one-row batch; the tensors torch then keeps."""
     model(torch.zeros(1, model[0].in_features, dtype=dtype)).float().sum().backward()
@@ -104,9 +88,9 @@ def held_replicated(layers: int, width: int, hidden: int) -> dict[str, int]:
     with FakeTensorMode():
         half = _trained(stand_in(layers, width, hidden, torch.bfloat16), torch.bfloat16, optimizer=False)
         full = _trained(stand_in(layers, width, hidden, torch.float32), torch.float32, optimizer=True)
-    return {"fp16 weights": tensor_bytes(half["params"]), "fp16 gradients": tensor_bytes(half["grads"]),
-            "fp32 master weights": tensor_bytes(full["params"]), "Adam state": tensor_bytes(full["state"]),
-            "fp32 gradients": tensor_bytes(full["grads"])}
+    return {"fp16 weights": storage_bytes(half["params"]), "fp16 gradients": storage_bytes(half["grads"]),
+            "fp32 master weights": storage_bytes(full["params"]), "Adam state": storage_bytes(full["state"]),
+            "fp32 gradients": storage_bytes(full["grads"])}
 
 
 def held_sharded(layers: int, width: int, hidden: int, world_size: int) -> dict[str, int]:
@@ -120,9 +104,9 @@ def held_sharded(layers: int, width: int, hidden: int, world_size: int) -> dict[
     with FakeTensorMode():
         half = _trained(_shard(stand_in(layers, width, hidden, torch.bfloat16), mesh), torch.bfloat16, False)
         full = _trained(_shard(stand_in(layers, width, hidden, torch.float32), mesh), torch.float32, True)
-    return {"fp16 weights": tensor_bytes(half["params"]), "fp16 gradients": tensor_bytes(half["grads"]),
-            "fp32 master weights": tensor_bytes(full["params"]), "Adam state": tensor_bytes(full["state"]),
-            "fp32 gradients": tensor_bytes(full["grads"])}
+    return {"fp16 weights": storage_bytes(half["params"]), "fp16 gradients": storage_bytes(half["grads"]),
+            "fp32 master weights": storage_bytes(full["params"]), "Adam state": storage_bytes(full["state"]),
+            "fp32 gradients": storage_bytes(full["grads"])}
 
 
 # Which parts each ZeRO stage shards (the paper's section 5: P_os, P_os+g, P_os+g+p); the rest is replicated.

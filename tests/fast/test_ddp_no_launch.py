@@ -1,0 +1,80 @@
+"""Lesson 02's helpers without a launch: the shipped digits, the article's fixes, the step-time verdicts, torchrun's
+failure report made the same on every machine."""
+
+
+from helpers.kit.data import DIGITS_NAME, load
+from helpers.kit.ddp import article_source
+from helpers.lessons.ddp import undefined_names
+
+
+def test_data_falls_back_to_the_shipped_digits():
+    train_set, source = load(train=True)
+    test_set, _ = load(train=False)
+    assert source == DIGITS_NAME and (len(train_set), len(test_set)) == (1437, 360)
+    images, labels = train_set.tensors
+    assert images.shape[1:] == (1, 28, 28) and images.min() >= 0 and images.max() <= 1
+    assert set(labels.tolist()) == set(range(10))
+
+
+def test_article_with_every_fix_leaves_no_undefined_name():
+    """The lesson checks the names the article as printed misses; here, that the fixes supply all of them."""
+    assert undefined_names(article_source(["imports", "port", "gloo", "data", "cpu"])) == []
+
+
+def test_step_time_reading_prints_the_protocols_verdicts(capsys):
+    """Section 7 reads ddp_step_time.py's timings through verdict(): "faster" only where every round of one setting
+    beat every round of the other, "not distinguishable on this machine" otherwise, wall and CPU time apart."""
+    from helpers.kit.timing import NOT_DISTINGUISHABLE, Timing
+    from helpers.lessons.ddp import read_step_times, step_settings
+
+    def rounds(centre: float, spread: float) -> list[float]:
+        return [(centre + spread * k) / 1e3 for k in (-2, -1, 0, 1, 2)]
+
+    timings = {}
+    for model in ("simple", "cnn"):
+        names = step_settings(model)
+        ddp_spread = 0.1 if model == "simple" else 3.0  # the CNN's DDP rounds overlap the one-process rounds
+        for role, centre, spread in (("one", 10.0, 0.1), ("two_threads", 10.0, 0.1), ("half", 5.0, 0.1),
+                                     ("quiet", 6.0, 0.1), ("ddp", 14.0, ddp_spread), ("bare", 1.0, 0.1)):
+            wall = rounds(centre, spread)
+            cpu = rounds(2 * centre if role in ("ddp", "quiet", "bare") else centre, 0.1)  # two ranks' CPU add up
+            timings[names[role]] = Timing(names[role], wall, cpu)
+    verdicts = read_step_times(timings, {"simple": 8070, "cnn": 20490})
+    out = capsys.readouterr().out
+    assert verdicts["simple"]["ddp"].faster == "simple, 1 rank, 1 thread" and not verdicts["cnn"]["ddp"].distinguishable
+    assert "DDP on 2 ranks against 1 rank, 1 thread (wall): 1 rank, 1 thread is faster, 1.40x" in out
+    assert f"DDP on 2 ranks against 1 rank, 1 thread (wall): {NOT_DISTINGUISHABLE}" in out
+    assert not verdicts["simple"]["threads"].distinguishable and verdicts["simple"]["all-reduce cpu"].distinguishable
+    assert "  DDP, 2 ranks" in out and "wall 14.0 ms (13.8-14.2)" in out
+
+
+def test_failure_report_keeps_what_a_learner_reads_and_drops_what_changes():
+    """failure_report() cuts torchrun's ChildFailedError report out of its output and replaces times, hosts, process
+    ids, temporary folders, ports and absolute paths, so that a stored report reads the same on any machine."""
+    from helpers.lessons.ddp import failure_report
+
+    output = """[rank1]: ValueError: boom
+E1206 12:34:07.140000 16342 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 1)
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+/home/ana/course/helpers/workers/ddp_failure_report.py FAILED
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-06_12:34:19
+  host      : node17.cluster
+  rank      : 1 (local_rank: 1)
+  exitcode  : 1 (pid: 16693)
+  error_file: /tmp/torchelastic_8acl8vn6/22eb_s3nqy2pa/attempt_0/1/error.json
+  traceback : Traceback (most recent call last):
+    File "/home/ana/.venv/lib/python3.11/site-packages/torch/distributed/c10d_logger.py", line 83, in wrapper
+  RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by peer \
+[127.0.0.1]:18323. Signal 15 (SIGTERM) received by PID 16406
+============================================================"""
+    report = failure_report(output)
+    assert report.startswith("torch.distributed.elastic.multiprocessing.errors.ChildFailedError:")
+    assert "helpers/workers/ddp_failure_report.py FAILED" in report.splitlines()[2]
+    for gone in ("ana", "node17", "12:34", "16693", "16406", "torchelastic_8acl8vn6", "18323", "/__w/", "ValueError"):
+        assert gone not in report, gone
+    assert 'File "torch/distributed/c10d_logger.py", line 83' in report and "[third_party/gloo" in report
+    assert "<torchrun's temporary folder>/attempt_0/1/error.json" in report and "rank      : 1" in report
