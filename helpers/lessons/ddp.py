@@ -60,19 +60,32 @@ def script_lines(path: Path) -> list[str]:
     return text[text.index('"""', 3) + 3:].lstrip().splitlines(keepends=True)
 
 
-def coloured_diff(old: Path, new: Path, context: int = 1):
-    """A unified diff of two scripts (without their docstrings) as HTML: removed lines red, added lines green."""
+def coloured_diff(old: Path, new: Path, context: int = 1, fold_before: str | None = None, fold_summary: str = ""):
+    """A unified diff of two scripts (without their docstrings) as HTML: removed lines red, added lines green.
+    fold_before: the hunks before the first one that contains this text go into a closed fold after the others,
+    with fold_summary as its title (so that the lines that matter are what a reader sees first)."""
     from IPython.display import HTML
 
     colours = {"-": "#ffebe9", "+": "#dafbe1", "@": "#ddf4ff"}
-    rows = []
+    hunks: list[list[str]] = []
     for line in difflib.unified_diff(script_lines(old), script_lines(new), Path(old).name, Path(new).name,
                                      n=context):
         line = line.rstrip("\n")
+        if line.startswith("@@") or not hunks:
+            hunks.append([])
         colour = "#eeeeee" if line.startswith(("---", "+++")) else colours.get(line[:1])
         style = f" style='background:{colour}'" if colour else ""
-        rows.append(f"<div{style}>{html.escape(line) or '&nbsp;'}</div>")
-    return HTML("<pre style='font-size:12px;line-height:1.3'>" + "".join(rows) + "</pre>")
+        hunks[-1].append(f"<div{style}>{html.escape(line) or '&nbsp;'}</div>")
+    first = next((i for i, hunk in enumerate(hunks) if fold_before and any(html.escape(fold_before) in row
+                                                                          for row in hunk)), 1)
+    shown, folded = hunks[:1] + hunks[first:], hunks[1:first]
+
+    def pre(parts: list[list[str]]) -> str:
+        rows = "".join(row for hunk in parts for row in hunk)
+        return f"<pre style='font-size:12px;line-height:1.3'>{rows}</pre>"
+    rest = (f"<details><summary>{html.escape(fold_summary)} ({sum(len(h) for h in folded)} lines of the diff)"
+            f"</summary>{pre(folded)}</details>") if folded else ""
+    return HTML(pre(shown) + rest)
 
 
 def folded_listing(path: Path, summary: str):

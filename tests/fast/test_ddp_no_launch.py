@@ -78,3 +78,17 @@ Root Cause (first observed failure):
         assert gone not in report, gone
     assert 'File "torch/distributed/c10d_logger.py", line 83' in report and "[third_party/gloo" in report
     assert "<torchrun's temporary folder>/attempt_0/1/error.json" in report and "rank      : 1" in report
+
+
+def test_coloured_diff_folds_the_hunks_before_the_lines_that_matter():
+    """Section 2's diff shows main()'s changes first and folds the helper functions, under 40 lines in view."""
+    from helpers.kit import WORKERS
+    from helpers.lessons.ddp import coloured_diff
+
+    whole = coloured_diff(WORKERS / "ddp_single.py", WORKERS / "ddp_train.py", context=0).data
+    folded = coloured_diff(WORKERS / "ddp_single.py", WORKERS / "ddp_train.py", context=0,
+                           fold_before="rank, world_size, device = init_distributed()", fold_summary="the rest").data
+    shown, rest = folded.split("<details>")
+    assert whole.count("<div") == folded.count("<div")  # every line of the diff is still there
+    assert "DistributedSampler(train_set" in shown and "DDP(build_model" in shown and "def evaluate" in rest
+    assert shown.count("<div") <= 45 and rest.startswith("<summary>the rest (")
