@@ -196,9 +196,15 @@ def torchrun_failure_reports() -> dict[str, str]:
 
 
 def failure_report(output: str) -> str:
-    """torchrun's ChildFailedError report from a run's output, without what changes from run to run (times, host,
-    process ids, temporary paths, ports) and with torch's own frames shortened to their file names."""
+    """torchrun's ChildFailedError report from a run's output, from its first line to its closing border (a rank's
+    own output can still arrive after it), without what changes from run to run (times, host, process ids,
+    temporary paths, ports) and with torch's own frames shortened to their file names."""
     report = output[output.index("torch.distributed.elastic.multiprocessing.errors.ChildFailedError"):]
+    border = report.find("\n=", report.index("Root Cause (first observed failure)"))  # the closing border
+    if border >= 0:  # a rank's own output, which torchrun copies line by line, can still arrive after it
+        line_end = report.find("\n", border + 1)
+        report = report[:line_end if line_end >= 0 else len(report)]
+    report = "\n".join(line for line in report.splitlines() if not re.match(r"\[(?:rank|default)\d*\]:", line))
     report = re.sub(r"(time\s+: ).*", r"\1<time>", report)
     report = re.sub(r"(host\s+: ).*", r"\1<host>", report)
     report = re.sub(r"\(pid: \d+\)", "(pid: <pid>)", report)

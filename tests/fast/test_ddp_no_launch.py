@@ -49,8 +49,9 @@ def test_step_time_reading_prints_the_protocols_verdicts(capsys):
 
 
 def test_failure_report_keeps_what_a_learner_reads_and_drops_what_changes():
-    """failure_report() cuts torchrun's ChildFailedError report out of its output and replaces times, hosts, process
-    ids, temporary folders, ports and absolute paths, so that a stored report reads the same on any machine."""
+    """failure_report() cuts torchrun's ChildFailedError report out of its output (a rank's own lines, which can
+    arrive after it, left out) and replaces times, hosts, process ids, temporary folders, ports and absolute paths,
+    so that a stored report reads the same on any machine."""
     from helpers.lessons.ddp import failure_report
 
     output = """[rank1]: ValueError: boom
@@ -70,7 +71,8 @@ Root Cause (first observed failure):
     File "/home/ana/.venv/lib/python3.11/site-packages/torch/distributed/c10d_logger.py", line 83, in wrapper
   RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by peer \
 [127.0.0.1]:18323. Signal 15 (SIGTERM) received by PID 16406
-============================================================"""
+============================================================
+[rank1]: ValueError: a late line of rank 1's own output, after the report"""
     report = failure_report(output)
     assert report.startswith("torch.distributed.elastic.multiprocessing.errors.ChildFailedError:")
     assert "helpers/workers/ddp_failure_report.py FAILED" in report.splitlines()[2]
