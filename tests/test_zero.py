@@ -138,4 +138,4 @@ def test_a_crash_names_the_rank_the_line_and_what_it_means(name, tmp_path, capsy
     assert not check_step(stage, path)
     out = capsys.readouterr().out.splitlines()[-1]
     assert out.startswith(f"Not yet: the {stage} check of crashing.py crashed on rank "), out
-    assert message in out and "Everything each rank printed is in " in out, out
+    assert message in out and "Each rank's output and traceback are in " in out, out

@@ -55,8 +55,9 @@ MEANINGS: list[tuple[re.Pattern, str]] = [
      "a one-tensor reduce-scatter or all-gather needs one tensor exactly world-size times the other ({0} vs. {1}): "
      "the flat tensor's length is not a multiple of the world size (pad it with zeros first)"),
     (re.compile(r"invalid tensor size at index \d+ \(expected \(([\d, ]+)\), got \(([\d, ]+)\)\)"),
-     "the ranks passed tensors of different shapes to the same collective (expected {0}, got {1}): every rank must "
-     "pass the same shape"),
+     "a tensor of this collective has the wrong size (expected {0}, got {1}): every rank must pass the same shape, "
+     "and a one-tensor all-gather's output must hold exactly world-size times its input (pad to a multiple of the "
+     "world size)"),
     (re.compile(r"Detected mismatch between collectives on ranks"),
      "the ranks called different collectives (or the same one with other shapes or dtypes) at the same point"),
     (re.compile(r"Timed out waiting \d+ms for recv operation to complete|Wait timeout|timed out", re.I),
@@ -81,11 +82,18 @@ def meaning_of(text: str) -> str | None:
 
 def learner_frame(frames: list[Frame], library_dirs: tuple[str, ...] = ()) -> str | None:
     """The innermost frame that is the learner's (not Python's, torch's, or the course's launcher or kit), as
-    'file.py:line (in function)'; frames are innermost first."""
-    for file, line, func in frames:
-        if not _is_library(file, library_dirs):
-            return f"{os.path.basename(file)}:{line} (in {func})"
-    return None
+    'file.py:line (in function)'; frames are innermost first. When the learner's code in another file called it (a
+    Zero2 calling its Zero1 parent's helper), that call is added: '..., called from other.py:31 (in step)'. The
+    course's own workers (helpers/workers/, which run the learner's classes) are not named as callers."""
+    mine = [(file, line, func) for file, line, func in frames if not _is_library(file, library_dirs)]
+    if not mine:
+        return None
+    file, line, func = mine[0]
+    place = f"{os.path.basename(file)}:{line} (in {func})"
+    caller = next((frame for frame in mine[1:] if frame[0] != file), None)
+    if caller and "/helpers/" not in caller[0].replace("\\", "/"):
+        place += f", called from {os.path.basename(caller[0])}:{caller[1]} (in {caller[2]})"
+    return place
 
 
 def crash_site(traceback_text: str | None, log_text: str, library_dirs: tuple[str, ...] = ()) -> tuple[

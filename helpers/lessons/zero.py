@@ -432,7 +432,7 @@ def one_check(results: dict[int, dict], index: int) -> dict[int, dict]:
     return out
 
 
-GLOO_SIZE_CHECK = re.compile(r"worldSize == (input|output)Shape")
+GLOO_SIZE_CHECK = re.compile(r"worldSize == (input|output)Shape|invalid tensor size at index")
 
 
 def crash_message(error: WorkerFailed, what: str) -> str:

@@ -166,6 +166,31 @@ def test_planner_formulas_and_refusals():
         plan(1e9, 0)
 
 
+def test_planner_cp_and_ep_terms():
+    from helpers.lessons.scale import attention_saved_bytes, moe_all_to_all_bytes, ring_attention_bytes
+
+    base = plan(7.5e9, 64, tp=8, microbatches=8)
+    same = plan(7.5e9, 64, tp=8, microbatches=8, cp=1, ep=1)
+    assert same["memory"] == base["memory"] and same["traffic"] == base["traffic"]  # lesson 11's planner unchanged
+    assert base["traffic"]["cp"] == base["traffic"]["ep"] == 0.0
+    # ring attention: k and v of tokens / cp tokens travel cp - 1 times forward, cp - 1 backward, dk dv cp times
+    assert ring_attention_bytes(1024, 32, 4, bytes_per_value=4) == 10 * 2 * 256 * 32 * 4
+    assert ring_attention_bytes(1024, 32, 1) == 0.0
+    cp_sent = plan(1e9, 1, cp=4, blocks=3, tokens=1024, hidden=64)["traffic"]["cp"]
+    assert cp_sent == 3 * ring_attention_bytes(1024, 64, 4)
+    assert plan(1e9, 1, cp=4, tp=2, tokens=1024)["traffic"]["tp"] == pytest.approx(
+        plan(1e9, 1, tp=2, tokens=256)["traffic"]["tp"])  # cp divides each rank's activations
+    # experts: only the expert parameters are divided by ep; four all-to-alls per MoE block
+    assert plan(10e9, 1, ep=4, expert_params=8e9, stage="DP")["memory"]["fp16 weights"] == 2 * (2e9 + 2e9)
+    assert moe_all_to_all_bytes(16, 8, 2, bytes_per_value=4) == 16 * 2 * 8 * 4 / 2
+    assert plan(1e9, 2, ep=2, blocks=1, tokens=16, hidden=8)["traffic"]["ep"] == 4 * moe_all_to_all_bytes(16, 8, 2)
+    assert attention_saved_bytes(256, 32, 2, cp=4, bytes_per_value=4) == 64 * (4 * 32 * 4 + 2 * 4)
+    with pytest.raises(ValueError, match="at least 1"):
+        plan(1e9, 1, cp=0)
+    with pytest.raises(ValueError, match="expert_params"):
+        plan(1e9, 1, ep=2, expert_params=2e9)
+
+
 def test_planner_figure_draws_the_planner_numbers():
     import matplotlib
 

@@ -148,7 +148,7 @@ def test_a_hang_says_where_each_rank_waited(monkeypatch, tmp_path, capsys):
     assert out[0].startswith("Running my_zero1.py on 2 ranks"), out
     assert out[1] == "Not yet: the zero1 check of my_zero1.py did not finish; where each rank was:", out
     assert out[2:4] == ["  rank 0: waiting in dist.all_reduce at my_zero1.py:9", "  rank 1: in time.sleep at "
-                        "my_zero1.py:11. Everything each rank printed is in runs/RUN/ (rank<N>.log). A collective "
+                        "my_zero1.py:11. Each rank's output and traceback are in runs/RUN/rank<N>.log. A collective "
                         "that only some ranks call waits for the others until the timeout (is one inside "
                         "`if rank == 0:`?)."], out
 
