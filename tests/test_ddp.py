@@ -149,4 +149,4 @@ def test_exercise_check_names_the_learners_line_when_the_script_crashes(tmp_path
     verdict = out[out.index("Not yet: "):]
     assert verdict.startswith("Not yet: your script crashed on rank ")
     assert f"at attempt.py:{line} (in main)" in verdict and "ValueError: bad shard on rank" in verdict
-    assert "Everything each rank printed is in " in verdict and "(rank<N>.log)" in verdict
+    assert "Each rank's output and traceback are in " in verdict and "rank<N>.log" in verdict

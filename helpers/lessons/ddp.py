@@ -340,14 +340,14 @@ def check_ddp_worker(script: str | Path, nproc: int = 2, timeout: float = 60) ->
     try:
         run = launch(script, nproc=nproc, echo=False, timeout=timeout)
     except LaunchTimeout as error:
-        folder = f" Everything each rank printed is in {error.run.log_dir}/." if error.run is not None else ""
+        folder = f" Each rank's output is in {error.run.log_dir}/rank<N>.log." if error.run is not None else ""
         return not_yet(f"your script was still running after {timeout:g} s. A collective that not every rank "
                        f"calls (say, all_reduce or broadcast inside `if rank == 0:`) waits for the others until the "
                        f"process group's timeout. Next time, press Stop (■) as soon as it seems stuck: the launcher "
                        f"says the same at once. Where each rank was:{each_rank(error.where)}{folder}")
     except WorkerFailed as error:
         if error.rank is not None and error.error is None:  # no rank raised: one left while another still waited
-            folder = f" Everything each rank printed is in {error.run.log_dir}/." if error.run is not None else ""
+            folder = f" Each rank's output is in {error.run.log_dir}/rank<N>.log." if error.run is not None else ""
             return not_yet(f"your script failed on {nproc} ranks: {str(error).strip().splitlines()[0]} A rank that "
                            "finishes while another still waits in a collective ends like this on gloo: every rank "
                            "must call the same collectives in the same order (is one inside `if rank == 0:`?)."
