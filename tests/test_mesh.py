@@ -7,11 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import WorkerFailed, launch, transformer
+from helpers import WorkerFailed, launch
+from helpers.kit import transformer
 from helpers.lessons.mesh import (
     agrees_with_commdebugmode,
     check_mesh_for,
     check_mlp_plan,
+    check_mlp_plans,
     checkpoint_chunks,
     checkpoint_files,
     expected_counts,
@@ -24,8 +26,9 @@ from helpers.lessons.mesh import (
 )
 
 WORKERS = Path(__file__).resolve().parent.parent / "helpers" / "workers"
-HEADER = "from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel\n" \
-         "from torch.distributed.tensor import Replicate, Shard\n"
+HEADER = ("from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel\n"
+          "from torch.distributed.tensor import Replicate, Shard\n"
+          "\n")
 
 
 def test_the_plan_counts_units_blocks_and_the_root():
@@ -66,49 +69,90 @@ def test_reference_learns_and_is_deterministic():
 
 def report(**changes) -> dict:
     good = {"weights": {"w1": {"placements": ["Shard(dim=0)"], "local_shape": [128, 64]},
+                        "w3": {"placements": ["Shard(dim=0)"], "local_shape": [128, 64]},
                         "w2": {"placements": ["Shard(dim=1)"], "local_shape": [64, 128]}},
-            "collectives": {"forward": {"all_reduce": 1}, "backward": {"all_reduce": 1}},
+            "collectives": {"forward": {"all_reduce": 1}, "backward": {"all_reduce": 2}},
             "output_shape": [2, 32, 64], "expected_shape": [2, 32, 64], "output_diff": 3e-7, "grad_diff": 0.0}
-    return {0: {**good, **changes}}
+    return {**good, **changes}
 
 
 @pytest.mark.parametrize("changes, words", [
-    ({"error": "RuntimeError: Sharding propagation failed for aten.mm.default"},
-     "RowwiseParallel an input split along its features"),
+    ({"error": "RuntimeError: Sharding propagation failed for aten.mm.default"}, "follow x from layer to layer"),
+    # w3 left out: its whole output meets w1's half in the product
+    ({"error": "RuntimeError: The size of tensor a (128) must match the size of tensor b (256) at non-singleton "
+               "dimension 2"}, "element by element"),
     ({"weights": {"w1": {"placements": [], "local_shape": [256, 64]},
-                  "w2": {"placements": ["Shard(dim=1)"], "local_shape": [64, 128]}}}, "whole on every rank"),
+                  "w3": {"placements": [], "local_shape": [256, 64]},
+                  "w2": {"placements": ["Shard(dim=1)"], "local_shape": [64, 128]}}}, "w1, w3 are whole"),
     ({"output_shape": [2, 16, 64]}, "every rank should end with the whole output"),
     ({"output_diff": 0.3}, "differ from one process's"),
-    ({"collectives": {"forward": {"all_gather_into_tensor": 1, "all_reduce": 1}, "backward": {"all_reduce": 1}}},
-     "right answer, but"),
+    ({"collectives": {"forward": {"all_gather_into_tensor": 2, "all_reduce": 1}, "backward": {"all_reduce": 2}}},
+     "right numbers, but"),
     # the input's gradient left as per-rank terms (no backward all-reduce): wrong inside a model
-    ({"collectives": {"forward": {"all_reduce": 1}, "backward": {}}}, "one in backward"),
+    ({"collectives": {"forward": {"all_reduce": 1}, "backward": {}}}, "right numbers, but"),
     ({"grad_diff": float("inf")}, "of the input"),  # the plan cut the input off from backward
 ])
-def test_judge_plan_says_what_is_wrong(changes, words, capsys):
+def test_judge_plan_says_what_is_wrong_without_naming_the_answer(changes, words, capsys):
     assert not judge_plan(report(**changes))
-    assert words in capsys.readouterr().out
-    assert judge_plan(report())
-
-
-@pytest.mark.parametrize("plan, words", [
-    ('PLAN = {"w1": ColwiseParallel(), "w2": RowwiseParallel()}', "Correct:"),
-    ("PLAN = {}", "a plain tensor, whole on every rank"),  # the starting code
-    ('PLAN = {"w1": ColwiseParallel(), "w2": ColwiseParallel()}', "torch refused the plan"),
-    ('PLAN = {"w1": RowwiseParallel(), "w2": ColwiseParallel()}', "torch refused the plan"),
-    ('PLAN = {"w1": ColwiseParallel(output_layouts=Replicate()), "w2": RowwiseParallel(input_layouts=Replicate())}',
-     "right answer, but"),
-    ('PLAN = {"w1": ColwiseParallel(), "w2": RowwiseParallel(output_layouts=Shard(1))}', "the whole output"),
-    ("plan = {}", "must define PLAN"),
-])
-def test_exercise_check_on_real_launches(plan, words, tmp_path, capsys):
-    plan_file = tmp_path / "my_mlp_plan.py"
-    plan_file.write_text(HEADER + plan + "\n")
-    assert check_mlp_plan(plan_file) == (words == "Correct:")
     out = capsys.readouterr().out
-    assert words in out
-    if words == "Correct:":  # the check's input requires grad, so the input's gradient costs one all-reduce
-        assert "backward one" in out
+    assert words in out and out.startswith("Not yet: ")
+    for answer in ("Shard(dim=0)", "Shard(0)", "ColwiseParallel", "RowwiseParallel", "column-wise then row-wise"):
+        assert answer not in out, out  # a Not yet names the mistake, not the plan
+    assert judge_plan(report())
+    assert "Backward ran two all-reduces" in capsys.readouterr().out
+    assert judge_plan(report(collectives={"forward": {"all_reduce": 1}, "backward": {"all_reduce": 1}}))
+    assert "Backward runs one all-reduce too" in capsys.readouterr().out
+
+
+PLANS = {
+    "answer": ('PLAN = {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()}',
+               "Backward ran two all-reduces"),
+    # right but different: the block's input made one DTensor, so backward sums both terms before one all-reduce
+    "shared input": ('PLAN = {"": PrepareModuleInput(input_layouts=(Replicate(),), '
+                     'desired_input_layouts=(Replicate(),), use_local_output=False), "w1": ColwiseParallel(), '
+                     '"w3": ColwiseParallel(), "w2": RowwiseParallel()}', "Backward runs one all-reduce too"),
+    "starting code": ("PLAN = {}", "w1, w3, w2 are whole"),
+    "no gate": ('PLAN = {"w1": ColwiseParallel(), "w2": RowwiseParallel()}', "element by element"),
+    "gate row-wise": ('PLAN = {"w1": ColwiseParallel(), "w3": RowwiseParallel(), "w2": RowwiseParallel()}',
+                      "torch refused the plan"),
+    "all column-wise": ('PLAN = {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": ColwiseParallel()}',
+                        "torch refused the plan"),
+    "gathered between": ('PLAN = {"w1": ColwiseParallel(output_layouts=Replicate()), "w3": ColwiseParallel('
+                         'output_layouts=Replicate()), "w2": RowwiseParallel(input_layouts=Replicate())}',
+                         "right numbers, but"),
+    "output split": ('PLAN = {"w1": ColwiseParallel(), "w3": ColwiseParallel(), '
+                     '"w2": RowwiseParallel(output_layouts=Shard(1))}', "the whole output"),
+}
+
+
+def test_exercise_check_on_real_launches(tmp_path, capsys):
+    files = []
+    for name, (plan, _) in PLANS.items():
+        files.append(tmp_path / f"{name.replace(' ', '_')}.py")
+        files[-1].write_text(HEADER + plan + "\n")
+    verdicts = check_mlp_plans(files)  # one launch tries them all, each on a fresh block
+    out = capsys.readouterr().out.splitlines()[1:]  # after the announcement
+    assert len(out) == len(PLANS), out
+    for (name, (_, words)), verdict, line in zip(PLANS.items(), verdicts, out, strict=True):
+        assert verdict == line.startswith("Correct: ") == (name in ("answer", "shared input")), (name, line)
+        assert words in line, (name, line)
+
+
+def test_exercise_check_names_the_learners_line_when_the_plan_file_crashes(tmp_path, capsys):
+    plan_file = tmp_path / "my_mlp_plan.py"
+    plan_file.write_text(HEADER + 'PLAN = {"w1": ColwiseParallel(), "w2": RowwiseParallel(1 / 0)}\n')
+    assert not check_mlp_plan(plan_file)
+    out = capsys.readouterr().out
+    assert "Not yet: the check of my_mlp_plan.py crashed on rank" in out, out
+    assert "my_mlp_plan.py:4" in out and "ZeroDivisionError" in out and "rank<N>.log" in out, out
+
+
+def test_exercise_check_refuses_a_missing_file_or_a_file_without_plan(tmp_path, capsys):
+    assert not check_mlp_plan(tmp_path / "my_mlp_plan.py")
+    assert "does not exist yet" in capsys.readouterr().out
+    (tmp_path / "my_mlp_plan.py").write_text("plan = {}\n")
+    assert not check_mlp_plan(tmp_path / "my_mlp_plan.py")
+    assert "must define PLAN" in capsys.readouterr().out
 
 
 def test_layouts_match_one_process_and_the_plan():
