@@ -176,19 +176,15 @@ def stages_figure(held: dict[str, dict[str, int]]) -> Any:
 def shard_sweep(layers: int, width: int, hidden: int, world_sizes: tuple[int, ...] = (64, 128, 256, 512),
                 say: Any = print) -> dict[tuple[int, int], dict[str, int]]:
     """held_sharded for the first and the last rank of each world size, one line printed as each size is done."""
-    import time
-
     n_params = layers * width * hidden
-    say(f"{'ranks':>6}{'16 Psi / N':>12}{'rank 0':>10}{'last rank':>11}   GB per rank at ZeRO-3  (seconds)", flush=True)
+    say(f"{'ranks':>6}{'16 Psi / N':>12}{'rank 0':>10}{'last rank':>11}   GB per rank at ZeRO-3", flush=True)
     sweep = {}
     for world_size in world_sizes:
-        started = time.perf_counter()
         for rank in (0, world_size - 1):
             with simulated_world(world_size, rank=rank):
                 sweep[world_size, rank] = held_sharded(layers, width, hidden, world_size)
         first, last = total(sweep[world_size, 0]), total(sweep[world_size, world_size - 1])
-        say(f"{world_size:>6}{16 * n_params / world_size / GB:>12.4f}{first / GB:>10.4f}{last / GB:>11.4f}"
-            f"   ({time.perf_counter() - started:.1f})", flush=True)
+        say(f"{world_size:>6}{16 * n_params / world_size / GB:>12.4f}{first / GB:>10.4f}{last / GB:>11.4f}", flush=True)
     return sweep
 
 
@@ -491,6 +487,8 @@ def check_tp_counts_without_sp(tp_counts: Any) -> bool:
     step of lesson 10's plan without sequence parallelism, checked against torch's counts for 1, 2 and 3 blocks.
     A wrong answer hears where it differs (which phase and collective, per block or outside the blocks), not
     torch's numbers: the exercise is to derive them from the plan."""
+    import traceback
+
     from helpers.lessons.checks import correct, not_yet
 
     print("Counting torch's collectives for 1, 2 and 3 blocks on 2 fake ranks (a few seconds the first time)...",
@@ -503,7 +501,9 @@ def check_tp_counts_without_sp(tp_counts: Any) -> bool:
             return not_yet(f"tp_counts({blocks}) should return {{'forward': {{...}}, 'backward': {{...}}}}, each a "
                            "dict of collective names (all_reduce, all_gather, reduce_scatter) to counts.")
         except Exception as error:
-            return not_yet(f"tp_counts({blocks}) raised {type(error).__name__}: {error}")
+            frame = traceback.extract_tb(error.__traceback__)[-1]
+            return not_yet(f"tp_counts({blocks}) raised {type(error).__name__}: {error} (line {frame.lineno} of "
+                           f"your cell: {frame.line})")
         real[blocks] = tp_phase_counts(blocks)
     wrong = _where_it_differs(yours, real)
     if wrong:
@@ -799,11 +799,36 @@ def _paired(first: Any, second: Any) -> dict[str, float]:
     return {"median": statistics.median(differences), "low": min(differences), "high": max(differences)}
 
 
+def step_figure(analysis: dict[str, Any]) -> Any:
+    """Every round of every step setting (the slowest rank's wall time), its median, and what the model predicted
+    for it (compute and Adam, plus communication where the fit may predict)."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 2.8))
+    for y, (mode, step) in enumerate(analysis["steps"].items()):
+        ax.scatter([t * 1e3 for t in step.wall], [y] * len(step.wall), color="tab:blue", alpha=0.6,
+                   label="a round" if y == 0 else None)
+        ax.plot([step.median() * 1e3] * 2, [y - 0.3, y + 0.3], color="black", label="median" if y == 0 else None)
+        parts = analysis["predicted"].get(mode)
+        if parts is not None:
+            predicted = parts["compute"] + parts["optimizer"] + (parts["communication"] if analysis["fit_used"] else 0)
+            ax.scatter([predicted * 1e3], [y], marker="x", s=80, color="tab:red",
+                       label="predicted" if mode == "local" else None)
+    ax.set_yticks(range(len(analysis["steps"])), list(analysis["steps"]))
+    ax.invert_yaxis()
+    ax.set(xlabel="ms per step (slowest rank)", xlim=(0, None),
+           title=f"this machine's 2-rank step, {analysis['rounds']} rounds each, taking turns")
+    ax.legend(fontsize="x-small", loc="lower right")
+    fig.tight_layout()
+    return fig
+
+
 def step_time_analysis(per_rank: dict[int, dict[str, Any]], tolerance: float = 0.25) -> dict[str, Any]:
     """What scale_step_time.py measured, merged over the ranks (a round lasts as long as its slowest rank), and our
     prediction beside it: the latency-bandwidth fit and its residuals (measured / fitted per size; the fit is used to
     predict only when every residual lies within 1 +- tolerance), the FLOP rate, Adam's step on each share, the
-    predicted parts of each mode, the measured steps, the verdicts of the timing protocol, and the increments
+    predicted parts of each mode, the measured steps, the verdicts of the timing protocol (on wall time, and on the
+    CPU time both ranks' processes ran), and the increments
     measured round by round: DDP over local, FSDP2 alone over local (FSDP2's own work) and FSDP2 over FSDP2 alone
     (what a peer adds)."""
     from helpers.kit.timing import across_ranks, fits_within, residual_ratios, verdict
@@ -831,6 +856,9 @@ def step_time_analysis(per_rank: dict[int, dict[str, Any]], tolerance: float = 0
             "verdicts": {"ddp": verdict(steps["ddp"], steps["local"]),
                          "fsdp_alone": verdict(steps["fsdp_alone"], steps["local"]),
                          "fsdp": verdict(steps["fsdp"], steps["fsdp_alone"])},
+            "cpu_verdicts": {"ddp": verdict(steps["ddp"], steps["local"], "cpu"),
+                             "fsdp_alone": verdict(steps["fsdp_alone"], steps["local"], "cpu"),
+                             "fsdp": verdict(steps["fsdp"], steps["fsdp_alone"], "cpu")},
             "increments": {"ddp": _paired(steps["ddp"], steps["local"]),
                            "fsdp_alone": _paired(steps["fsdp_alone"], steps["local"]),
                            "fsdp": _paired(steps["fsdp"], steps["fsdp_alone"])}}
