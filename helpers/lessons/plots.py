@@ -118,7 +118,7 @@ def plot_timeline(events: Sequence[dict[str, Any]], *, title: str, ax: Any = Non
     ax.invert_yaxis()
     ax.set(title=title, xlabel="milliseconds since the step began")
     ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()],
-              labels=list(colours), loc="upper right", fontsize="small")
+              labels=list(colours), loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")  # beside the bars
     ax.grid(axis="x", alpha=0.3)
     return ax
 
