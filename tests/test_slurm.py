@@ -100,7 +100,9 @@ def test_the_generated_batch_script_runs_under_a_real_slurm(slurm, tmp_path, chd
     files = write_job_files(tmp_path / "job-files", "helpers/workers/fault_tolerance_train.py", size,
                             args=["--steps", "4", "--checkpoint", str(checkpoint), "--checkpoint-every", "2"])
     batch = next(path for path in files if path.name == "job.sbatch")
-    text = batch.read_text().replace(":29500", f":{free_port()}")  # a free rendezvous port for this test
+    # a free rendezvous port for this test: the job-derived one (20000 + job id) may be taken by another test's job
+    text = batch.read_text().replace("RDZV_PORT=$((20000 + SLURM_JOB_ID % 20000))", f"RDZV_PORT={free_port()}")
+    assert "RDZV_PORT=$((" not in text  # the replacement found its line
     if not chdir:
         text = "\n".join(line for line in text.splitlines() if not line.startswith("#SBATCH --chdir")) + "\n"
     batch.write_text(text)
