@@ -4,6 +4,7 @@
     run = launch("../helpers/workers/allreduce_demo.py", nproc=2)
 
     %load_ext helpers          # then a cell starting with  %%torchrun -n 2
+    %ranks start -n 2          # live ranks: then cells starting with  %%ranks  run on every rank, and keep state
 
 Where each audience's code lives (helpers/README.md has the full map):
     helpers/kit/        what a worker may import: reporting, distributed, models, data, tensors, ...
@@ -36,7 +37,7 @@ def __getattr__(name: str):
 
 
 def load_ipython_extension(ipython) -> None:
-    """`%load_ext helpers` registers the %%torchrun cell magic."""
+    """`%load_ext helpers` registers the %%torchrun cell magic and the %ranks / %%ranks magics (live ranks)."""
     from helpers.launcher.magic import register
 
     register(ipython)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -36,6 +37,7 @@ BUDGET_SECONDS = 360  # one lesson's Run All; nbval's budget is about 3 minutes 
 TICKER = ROOT / "tests" / "workers" / "ticker.py"
 WHOAMI = ROOT / "helpers" / "workers" / "whoami.py"
 TOKEN = "lessons-browser-test"
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
 EXPLORERS = ["allreduce_explorer(0.7e-3, 0.5e9, [1e3, 1e6], [0.8e-3, 2.7e-3])", "bucket_explorer(mlp(256, 14))",
              "memory_explorer()", "pipeline_explorer()"]
 CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-sync",
@@ -371,5 +373,51 @@ def test_every_explorer_renders_and_follows_its_controls(browser, lab):
                 if area.locator("img").first.get_attribute("src") != before:
                     break
             assert area.locator("img").first.get_attribute("src") != before, f"{call}: the figure did not change"
+    finally:
+        _close(page, lab)
+
+
+LIVE_CELLS = ["%load_ext helpers\n%ranks start -n 2",
+              "%%ranks\nx = torch.ones(2) * (rank + 1)\ndist.all_reduce(x)\nprint(x)",
+              "%%ranks 0\nprint('joining', flush=True)\ndist.all_reduce(x)",  # rank 1 never joins: a hang
+              "%ranks restart",
+              "%%ranks\ny = torch.ones(1)\ndist.all_reduce(y)\nprint('after the restart', y)"]
+
+
+def test_live_ranks_and_stop_on_a_hung_cell(browser, lab, lab_root):
+    """%%ranks in JupyterLab (issue 37): labelled output, then ■ Stop on a collective only rank 0 joins ends the cell
+    and says where each rank was and that the process group is broken; %ranks restart brings the group back."""
+    (lab_root / "notebooks" / "live_ranks.ipynb").write_text(json.dumps(_notebook(LIVE_CELLS)))
+    page = _open(browser, lab, "live_ranks.ipynb")
+
+    def run(index: int, until, what: str, timeout: float = 120) -> dict:
+        page.evaluate(f"() => {{ window.jupyterapp.shell.currentWidget.content.activeCellIndex = {index}; }}")
+        _command(page, "notebook:run-cell")
+        return _wait(page, lambda s: until(s["cells"][index]), timeout, what)
+
+    try:
+        run(0, lambda c: c["count"] and "joined the process group" in _text(c["outputs"]), "%ranks start")
+        state = run(1, lambda c: c["count"], "the all_reduce cell")
+        shown = ANSI.sub("", _text(state["cells"][1]["outputs"]))
+        assert "[rank 0] tensor([3., 3.])\n[rank 1] tensor([3., 3.])" in shown, shown
+        run(2, lambda c: "[rank 0] joining" in ANSI.sub("", _text(c["outputs"])), "the hung cell's first line")
+        time.sleep(1)
+        assert not _state(page)["cells"][2]["count"], "the hung cell should still be running"
+        interrupted = time.monotonic()
+        _command(page, "notebook:interrupt-kernel")
+        state = _wait(page, lambda s: s["cells"][2]["count"], 30, "the hung cell ends after ■ Stop")
+        elapsed = time.monotonic() - interrupted
+        errors = [o for o in state["cells"][2]["outputs"] if o["output_type"] == "error"]
+        assert errors, "the interrupted cell should end in an error the learner sees"
+        traceback = ANSI.sub("", "\n".join(errors[0]["traceback"]))
+        number = state["cells"][2]["count"]
+        assert f"rank 0: waiting in dist.all_reduce at In[{number}]:3; still there" in traceback, traceback
+        assert "rank 1: not running this cell" in traceback and "The process group is broken" in traceback
+        assert "%ranks restart" in traceback and "helpers/launcher" not in traceback, traceback
+        assert len(traceback.splitlines()) < 40, f"a wall of text for an interrupt:\n{traceback}"
+        assert elapsed < 5, f"■ Stop took {elapsed:.1f} s to end the cell, as the browser saw it"
+        run(3, lambda c: c["count"] and "joined the process group" in _text(c["outputs"]), "%ranks restart")
+        state = run(4, lambda c: c["count"], "a cell after the restart")
+        assert "[rank 1] after the restart tensor([2.])" in ANSI.sub("", _text(state["cells"][4]["outputs"]))
     finally:
         _close(page, lab)

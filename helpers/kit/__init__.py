@@ -4,6 +4,7 @@
     from helpers.kit.distributed import init_distributed            # join the process group (gloo or nccl)
 
 Shared by many lessons: ``reporting``, ``run_files`` (the run folder's file names, which the launcher reads back),
+``live_wire`` (the messages between a notebook kernel and its live ranks, %ranks),
 ``distributed``, ``models``, ``data``, ``tensors`` (checksums, flat vectors, bytes), ``instruments`` (counting hooks,
 stopwatches, cross-rank checks), ``checkpoint``, ``transformer`` (lessons 10-11). One module per lesson that needs
 worker-side code, named like its notebook-side sibling in ``helpers/lessons/``: ``ddp`` (02), ``dp_vs_ddp`` (03),

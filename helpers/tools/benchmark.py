@@ -1,7 +1,9 @@
-"""How long a 2-rank gloo all_reduce job takes to launch: helpers.launch against a bare torchrun.
+"""How long a 2-rank gloo all_reduce job takes to launch: helpers.launch against a bare torchrun; and how long a
+trivial %%ranks cell takes on 2 live ranks.
 
     python -m helpers.tools.benchmark            # 5 rounds, alternating, prints medians and the ratio
     python -m helpers.tools.benchmark --rounds 9 --fresh
+    python -m helpers.tools.benchmark --live     # a trivial %%ranks cell's round trip, kernel to 2 ranks and back
 
 Both run helpers/workers/allreduce_demo.py on the same machine in the same session, alternating so
 that background load hits both alike. The launch server's one-time start (import torch once) is
@@ -18,6 +20,7 @@ import tempfile
 import time
 
 from helpers import WORKERS
+from helpers.kit.timing import take_turns
 from helpers.launcher.api import launch, start_launch_server
 
 SCRIPT = WORKERS / "allreduce_demo.py"
@@ -49,14 +52,41 @@ def compare(rounds: int = 5, fresh: bool = False) -> dict[str, float]:
     result["ratio"] = result["helpers.launch"] / result["bare torchrun"]
     return result
 
+def live_round_trip(rounds: int = 20, cells: int = 10) -> dict[str, str]:
+    """A trivial cell (`pass`) on 2 live ranks, run as a learner runs it (the %%ranks magic in an IPython shell):
+    seconds from the kernel sending it to every rank's answer and their output shown. Each round is `cells` cells in
+    a row; the timing protocol gives the median and spread of the rounds, wall and the kernel's CPU."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "helpers")
+    shell.run_line_magic("ranks", "start -n 2")
+    try:
+        cell = {"trivial %%ranks cell": lambda: shell.run_cell_magic("ranks", "", "pass")}
+        timing = take_turns(cell, rounds=rounds, warmup=2, repeat=cells)["trivial %%ranks cell"]
+    finally:
+        shell.run_line_magic("ranks", "stop")
+    return {"trivial %%ranks cell, 2 ranks (wall)": timing.summary(),
+            "trivial %%ranks cell, 2 ranks (kernel CPU)": timing.summary("cpu")}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--fresh", action="store_true", help="also time fresh-interpreter launches")
+    parser.add_argument("--live", action="store_true", help="time a trivial %%%%ranks cell on 2 live ranks instead")
     options = parser.parse_args()
+    here = os.getcwd()
     with tempfile.TemporaryDirectory() as folder:
         os.chdir(folder)
-        result = compare(options.rounds, options.fresh)
+        try:
+            if options.live:
+                for name, value in live_round_trip(max(options.rounds, 5)).items():
+                    print(f"{name:<45} {value}")
+                return
+            result = compare(options.rounds, options.fresh)
+        finally:
+            os.chdir(here)  # IPython's exit handler reads the working directory
     for name, value in result.items():
         print(f"{name:<40} {value:8.3f}" + (" s" if name != "ratio" else " x"))
 
