@@ -155,6 +155,9 @@ def test_with_torchs_store_opt_out_a_replaced_agent_rejoins_and_the_run_is_exact
     from TORCHELASTIC_RESTART_COUNT would differ between the two; with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torch
     gives the new round a fresh store and the worker joins with a plain init_process_group."""
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # the agents inherit it
+    # one process per node: torchrun (and the launcher) then leave the thread count to torch, and a different number
+    # of threads sums a matmul in another order; the reference ran two processes on one node, one thread each
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     port = free_port()
     common = dict(nproc=1, nnodes=2, max_restarts=1, rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}",
                   rdzv_id="replaced", echo=False)
