@@ -199,7 +199,8 @@ def test_the_lesson_keeps_its_main_line_short_its_citations_folded_and_its_hand_
 
     from helpers import REPO_ROOT
 
-    notebook = json.loads((REPO_ROOT / "notebooks" / "06_fault_tolerance_and_scaling_out.ipynb").read_text(encoding="utf-8"))
+    lesson = REPO_ROOT / "notebooks" / "06_fault_tolerance_and_scaling_out.ipynb"
+    notebook = json.loads(lesson.read_text(encoding="utf-8"))
     markdown = "\n".join("".join(c["source"]) for c in notebook["cells"] if c["cell_type"] == "markdown")
     main = re.sub(r"<details>.*?</details>", "", markdown, flags=re.S)
     citations = re.findall(r"[\w/]+\.(?:py|cpp|h):\d+", main)
