@@ -1,29 +1,20 @@
-"""Lesson 02's helpers (helpers.lessons.ddp, helpers.kit.data) and the exercise's check. The lesson's workers are
-launched, and asserted, by the lesson (notebooks/02_ddp.ipynb, under pytest --nbval); here only what the lesson does not
-check: ddp_train.py's --steps and its one-process command, the article fixed in full, and that the exercise's check says
-"Not yet" to wrong workers and "Correct" to the solution."""
+"""Lesson 02's launches that the lesson does not assert: ddp_train.py's --steps and its one-process command, the
+one-process reference of the exercise's check, and the check's "Not yet" to wrong workers (a missing DDP, a wrong
+batch, a shuffled sampler, a missing or unaveraged all_reduce, a hang, a collective on rank 0 only, prints on every
+rank). The check on the starting code and on both solutions is asserted by the lesson (notebooks/02_ddp.ipynb,
+nbval's Cells 41 and 42); what launches nothing is in tests/fast/test_ddp_no_launch.py."""
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from helpers import REPO_ROOT as ROOT
 from helpers import launch
-from helpers.kit.data import DIGITS_NAME, load
-from helpers.kit.ddp import article_source
-from helpers.lessons.ddp import check_ddp_worker, undefined_names
+from helpers.lessons.ddp import check_ddp_worker
 
 WORKERS = ROOT / "helpers" / "workers"
-
-
-def test_data_falls_back_to_the_shipped_digits():
-    train_set, source = load(train=True)
-    test_set, _ = load(train=False)
-    assert source == DIGITS_NAME and (len(train_set), len(test_set)) == (1437, 360)
-    images, labels = train_set.tensors
-    assert images.shape[1:] == (1, 28, 28) and images.min() >= 0 and images.max() <= 1
-    assert set(labels.tolist()) == set(range(10))
 
 
 def test_ddp_train_stops_at_steps_in_total_with_equal_replicas():
@@ -42,19 +33,6 @@ def test_ddp_train_runs_as_a_plain_python_script():
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr
     assert "1 rank(s), backend gloo" in done.stdout and "epoch 0:" in done.stdout
-
-
-def test_article_with_every_fix_leaves_no_undefined_name():
-    """The lesson checks the names the article as printed misses; here, that the fixes supply all of them."""
-    assert undefined_names(article_source(["imports", "port", "gloo", "data", "cpu"])) == []
-
-
-def test_exercise_check_says_not_yet_on_the_start_and_correct_on_both_solutions(capsys):
-    assert not check_ddp_worker(WORKERS / "ddp_exercise_single.py")
-    assert "\nNot yet: the ranks trained on [256, 256] samples" in capsys.readouterr().out
-    for solution in ("ddp_exercise_solution.py", "ddp_exercise_by_hand_solution.py"):
-        assert check_ddp_worker(WORKERS / solution), solution
-        assert "\nCorrect: " in capsys.readouterr().out
 
 
 def _attempt(tmp_path, solution: str, mistake: str, replacement: str):
@@ -81,6 +59,8 @@ def _attempt(tmp_path, solution: str, mistake: str, replacement: str):
     ("ddp_exercise_by_hand_solution.py", "parameter.grad /= world_size", "pass",
      "summed over the ranks and not averaged: divide the all_reduce's sum by world_size"),
 ])
+
+
 def test_exercise_check_names_what_is_missing(tmp_path, capsys, solution, mistake, replacement, message):
     assert not check_ddp_worker(_attempt(tmp_path, solution, mistake, replacement))
     out = capsys.readouterr().out
@@ -92,13 +72,14 @@ def test_exercise_check_says_where_each_rank_waits_when_the_script_hangs(tmp_pat
     # broadcast that rank 1 never joins, and rank 1 waits in an all_reduce that rank 0 never reaches.
     mistake = "        dist.broadcast(parameter.data, src=0)"
     script = _attempt(tmp_path, "ddp_exercise_by_hand_solution.py", mistake, "        if rank == 0:\n    " + mistake)
-    assert not check_ddp_worker(script, timeout=20)
+    assert not check_ddp_worker(script, timeout=8)  # both ranks wait within a second or two of the start
     out = capsys.readouterr().out
     assert out.startswith("Running attempt.py on 2 ranks") and "press Stop (■)" in out.splitlines()[0]
     verdict = out[out.index("Not yet: "):]
-    assert verdict.startswith("Not yet: your script was still running after 20 s")
+    assert verdict.startswith("Not yet: your script was still running after 8 s")
     # each rank's location, not the bare "Full stacks: runs  Logs: runs" the old message left
-    assert "rank 0: " in verdict and "rank 1: " in verdict and "attempt.py" in verdict
+    assert "rank 0: waiting in dist.broadcast at attempt.py:" in verdict, verdict
+    assert "rank 1: waiting in dist.all_reduce at attempt.py:" in verdict, verdict
 
 
 def test_exercise_check_says_print_only_on_rank_0(tmp_path, capsys):
@@ -141,36 +122,6 @@ def test_a_broken_original_does_not_break_the_exercise_check(tmp_path, monkeypat
     assert launched == [solution]
 
 
-def test_step_time_explanation_says_why_a_share_is_over_100_percent(capsys):
-    """Section 8's printed share (DDP - no all-reduce) / (DDP - 1 rank at batch 32) exceeds 100% when the control
-    without all-reduce ran faster than 1 rank at batch 32: the line must say so, and whether the blocks' spread
-    covers it."""
-    from helpers.lessons.ddp import STEP_SETTINGS, explain_step_times
-
-    parameters = {"simple": 8070, "cnn": 20490}
-
-    def medians(quiet_ms: float, spread: float, parameters: dict) -> tuple:
-        step_ms, blocks = {}, {}
-        values = {"one": 10.0, "half": 5.5, "quiet": quiet_ms, "ddp": 7.0, "two_threads": 8.0}
-        for model in parameters:
-            for key, value in values.items():
-                step_ms[f"{model}, {STEP_SETTINGS[key]}"] = value
-                blocks[f"{model}, {STEP_SETTINGS[key]}"] = [(value - spread / 2) / 1e3, value / 1e3,
-                                                            (value + spread / 2) / 1e3]
-            step_ms[f"{model}, all_reduce alone, {parameters[model]} floats"] = 0.3
-            blocks[f"{model}, all_reduce alone, {parameters[model]} floats"] = [0.3e-3] * 3
-        return step_ms, parameters, blocks
-
-    speedup = explain_step_times(*medians(5.4, 0.5, parameters))
-    out = capsys.readouterr().out
-    assert "removes 107%" in out and "cannot tell them apart" in out and speedup["cnn\n2 ranks"] == 10.0 / 7.0
-    explain_step_times(*medians(4.0, 0.1, parameters))
-    out = capsys.readouterr().out
-    assert "removes 200%" in out and "not noise between blocks alone" in out
-    explain_step_times(*medians(6.0, 0.1, parameters))
-    assert "over 100%" not in capsys.readouterr().out
-
-
 def test_exercise_check_says_a_rank_left_when_a_collective_runs_on_rank_0_only(tmp_path, capsys):
     # the seventh walkthrough's wrong answer: the by-hand all_reduce only on rank 0. On gloo it does not hang:
     # rank 1 finishes and exits, rank 0's all_reduce loses its peer. The check must say that, not a bare "runs".
@@ -180,7 +131,8 @@ def test_exercise_check_says_a_rank_left_when_a_collective_runs_on_rank_0_only(t
     assert not check_ddp_worker(script, timeout=30)
     out = capsys.readouterr().out
     verdict = out[out.index("Not yet: "):]
-    if "still running after" in verdict:  # it hung instead (possible on another backend or a slower exit)
-        assert "rank 0: " in verdict
-    else:
-        assert "same collectives in the same order" in verdict and "rank" in verdict and not verdict.endswith("runs")
+    if torch.cuda.is_available():  # the script picks nccl, which does not notice a peer that left: rank 0 hangs
+        assert verdict.startswith("Not yet: your script was still running after 30 s") and "rank 0: " in verdict
+    else:  # gloo, always here: no rank raised, rank 1 left while rank 0 waited; the check says what that means
+        assert verdict.startswith("Not yet: your script failed on 2 ranks: rank 1 failed first, with no Python error")
+        assert "every rank must call the same collectives in the same order" in verdict

@@ -1,5 +1,6 @@
 """On one host, a learner's job is reachable by any other process on the same loopback; its own network
-namespace closes that. What docs/facilitator.md ("Isolation between learners") rests on."""
+namespace closes that. What docs/facilitator.md ("Isolation between learners") rests on. In the slow set (README,
+"More checks"): `pytest -m slow tests/test_isolation.py`; .ci/run runs it after `pytest --nbval`."""
 from __future__ import annotations
 
 import shutil
@@ -12,6 +13,7 @@ import pytest
 
 from helpers import REPO_ROOT, start, wait
 
+pytestmark = pytest.mark.slow
 NEIGHBOUR = REPO_ROOT / "tests" / "workers" / "store_neighbour.py"
 # A process that is not part of the job: it only knows the port, as a scan of 127.0.0.1 would find it.
 STRANGER = """
@@ -19,7 +21,7 @@ import sys
 from datetime import timedelta
 import torch.distributed as dist
 try:
-    store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=5))
+    store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=float(sys.argv[2])))
 except Exception as error:
     print("unreachable:", type(error).__name__)
     sys.exit(0)
@@ -37,8 +39,10 @@ def _port(port_file: Path, limit: float = 60) -> int:
     return int(port_file.read_text())
 
 
-def _stranger(port: int) -> str:
-    return subprocess.run([sys.executable, "-c", STRANGER, str(port)], capture_output=True, text=True,
+def _stranger(port: int, patience: float = 5) -> str:
+    """What a stranger that knows only the port gets; `patience`: seconds it keeps trying to connect (a store that
+    listens answers at once, so a short patience only shortens the wait where nothing answers)."""
+    return subprocess.run([sys.executable, "-c", STRANGER, str(port), str(patience)], capture_output=True, text=True,
                           timeout=120).stdout
 
 
@@ -73,7 +77,7 @@ def test_the_same_job_in_its_own_network_namespace_runs_and_cannot_be_reached(tm
     inside = subprocess.Popen(["unshare", "--net", "sh", "-c", 'ip link set lo up && exec "$0" -c "$1" "$2" "$3" "$4"',
                                sys.executable, INSIDE, str(NEIGHBOUR), str(port_file), str(tried)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
-    seen = _stranger(_port(port_file))  # while the job holds on, waiting for `tried`
+    seen = _stranger(_port(port_file), patience=2)  # while the job holds on, waiting for `tried`
     tried.touch()
     out, err = inside.communicate(timeout=180)
     assert seen.startswith("unreachable:"), seen  # catches a namespace that still shares the host's loopback

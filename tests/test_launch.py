@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from helpers import REPO_ROOT as ROOT
-from helpers import LaunchInterrupted, LaunchTimeout, WorkerFailed, free_port, launch, start, wait
+from helpers import LaunchTimeout, WorkerFailed, free_port, launch, start, wait
 from helpers.launcher.processes import LaunchServer
 from helpers.launcher.run_folder import rank_file, rank_log
 
@@ -51,10 +51,11 @@ def test_workers_get_torchrun_environment_and_metrics_round_trip():
     assert {row["rank"] for row in run.metrics} == {0, 1}
 
 
-def test_failing_rank_is_named_with_its_traceback_and_nothing_is_left(processes):
+@pytest.mark.parametrize("fresh", [False, True], ids=["forked", "fresh"])
+def test_failing_rank_is_named_with_its_traceback_and_nothing_is_left(processes, fresh):
     started = time.perf_counter()
     with pytest.raises(WorkerFailed) as caught:
-        launch(WORKERS / "crash_in_collective.py", nproc=2, echo=False)
+        launch(WORKERS / "crash_in_collective.py", nproc=2, fresh=fresh, echo=False)
     error = caught.value
     assert isinstance(error, RuntimeError)
     assert error.rank == 1 and error.exitcode == 1
@@ -62,28 +63,11 @@ def test_failing_rank_is_named_with_its_traceback_and_nothing_is_left(processes)
     assert message.startswith("rank 1 failed first, with exit code 1")
     assert "ValueError: rank 1 broke on purpose" in message
     assert 'crash_in_collective.py", line 11' in message
-    assert "_bootstrap" not in message and "runpy" not in message
+    # the launcher's own frames (its bootstrap runs the script through runpy) are not the learner's traceback
+    assert "helpers/launcher/" not in message and "runpy" not in message
     assert str(error.run.log_dir) in message
     assert time.perf_counter() - started < 20
     processes.nothing_left(error.run.log_dir)
-
-
-def test_timeout_stops_everything_with_a_clear_message(processes):
-    started = time.perf_counter()
-    with pytest.raises(LaunchTimeout) as caught:
-        launch(WORKERS / "sleeper.py", nproc=2, timeout=3, echo=False)
-    assert time.perf_counter() - started < 10
-    assert "timed out after 3 s" in str(caught.value)
-    assert "[rank 1] sleeping" in str(caught.value)
-    processes.nothing_left(caught.value.run.log_dir)
-
-
-def test_worker_ignoring_sigterm_is_killed_anyway(processes):
-    started = time.perf_counter()
-    with pytest.raises(LaunchTimeout) as caught:
-        launch(WORKERS / "sleeper.py", nproc=2, args=["--ignore-sigterm"], timeout=2, echo=False)
-    assert time.perf_counter() - started < 12
-    processes.nothing_left(caught.value.run.log_dir)
 
 
 def test_chatty_workers_lose_and_tear_no_line():
@@ -143,7 +127,11 @@ LAUNCHING_PROCESS = textwrap.dedent("""
     # as a kernel does: a process started in the background by a shell (nohup ... &) inherits SIGINT ignored
     signal.signal(signal.SIGINT, signal.default_int_handler)
     from helpers import launch
-    launch(sys.argv[1], nproc=2, echo=False, log_dir="the_run", fresh=sys.argv[2] == "fresh")
+    try:
+        launch(sys.argv[1], nproc=2, echo=False, log_dir="the_run", fresh=sys.argv[2] == "fresh")
+    except KeyboardInterrupt as error:  # what a kernel does with Stop: the launch's error must be one
+        print(f"caught as KeyboardInterrupt: {type(error).__name__}", file=sys.stderr, flush=True)
+        raise
 """)
 
 
@@ -175,18 +163,6 @@ def _start_launching_process(tmp_path: Path, processes, worker: str = "sleeper.p
 def _read(path: str | Path) -> str:
     path = Path(path)
     return path.read_text() if path.exists() else ""
-
-
-def test_interrupt_stops_every_rank_within_5_seconds(tmp_path, processes):
-    proc, run_dir = _start_launching_process(tmp_path, processes)
-    pids = processes.worker_pids(run_dir)
-    interrupted = time.monotonic()
-    proc.send_signal(signal.SIGINT)
-    stderr = _finish(proc, 10)
-    assert "KeyboardInterrupt" in stderr and "Interrupted: stopped every worker" in stderr
-    while any(processes.alive(pid) for pid in pids):
-        assert time.monotonic() - interrupted < 5, "workers survived an interrupt"
-        time.sleep(0.05)
 
 
 def test_killed_kernel_leaves_no_worker_alive(tmp_path, processes):
@@ -245,7 +221,7 @@ def test_a_notebook_shows_the_message_not_the_launchers_frames():
     shown = captured.stdout
     assert shown.splitlines()[0].endswith("rank 1 failed first, with exit code 1; no other rank is left running.")
     assert "WorkerFailed" in shown and "ValueError: rank 1 broke on purpose" in shown
-    assert "helpers/launcher/api.py" not in shown and "helpers/_" not in shown
+    assert "helpers/launcher/" not in shown  # none of the launcher's frames (api, console, bootstrap, ...)
 
 
 def test_a_rank_killed_by_a_signal_is_blamed_not_the_peer_it_broke(processes):
@@ -267,8 +243,8 @@ def test_forked_workers_can_still_initialise_cuda():
 # ---------------------------------------------------------------------------- hangs
 
 HANG = WORKERS / "hang_in_collective.py"
-RANK0_WHERE = "waiting in dist.all_reduce at hang_in_collective.py:15 (step 2)"
-RANK1_WHERE = "in time.sleep at hang_in_collective.py:17 (step 2)"
+RANK0_WHERE = "waiting in dist.all_reduce at hang_in_collective.py:20 (step 2)"
+RANK1_WHERE = "in time.sleep at hang_in_collective.py:22 (step 2)"
 # A timeout that starts once every rank has printed its readiness line ("hanging", "sleeping"): from that
 # print to the call it hangs in is a few bytecodes, so a second is ample even on 2 loaded cores. A timeout
 # counted from the start instead has to cover start-up too (10-20 s of margin, spent by every run).
@@ -285,8 +261,9 @@ def _until_every_rank_says(jobs, line: str, ranks) -> None:
         time.sleep(0.05)
 
 
-def test_timeout_says_where_every_rank_hangs(processes):
-    job = start(HANG, nproc=2, echo=False)
+@pytest.mark.parametrize("fresh", [False, True], ids=["forked", "fresh"])
+def test_timeout_says_where_every_rank_hangs_and_stops_ranks_that_ignore_sigterm(processes, fresh):
+    job = start(HANG, nproc=2, args=["--ignore-sigterm"], fresh=fresh, echo=False)
     _until_every_rank_says([job], "hanging", (0, 1))
     started = time.perf_counter()
     with pytest.raises(LaunchTimeout) as caught:
@@ -295,13 +272,16 @@ def test_timeout_says_where_every_rank_hangs(processes):
     error = caught.value
     assert error.where == {0: RANK0_WHERE, 1: RANK1_WHERE}
     message = str(error)
+    assert message.startswith(f"timed out after {SETTLE:g} s: every worker was stopped"), message[:200]
     assert f"rank 0: {RANK0_WHERE}" in message and f"rank 1: {RANK1_WHERE}" in message
+    assert "[rank 1] hanging" in message  # the tail of each rank's output
     # the full stacks: the collective's own frame for rank 0, the learner's line for both
-    assert "distributed_c10d.py" in error.stacks[0] and 'hang_in_collective.py", line 15' in error.stacks[0]
-    assert 'hang_in_collective.py", line 17' in error.stacks[1]
+    assert "distributed_c10d.py" in error.stacks[0] and 'hang_in_collective.py", line 20' in error.stacks[0]
+    assert 'hang_in_collective.py", line 22' in error.stacks[1]
     assert Path(rank_file(error.run.log_dir, "stacks", 0, 0)).read_text().strip()
-    assert elapsed < SETTLE + 6, f"the diagnosis took {elapsed - SETTLE:.1f} s past the timeout"
-    processes.nothing_left(error.run.log_dir)
+    # the ranks ignore SIGTERM: stopping them takes the launcher's 2 s grace before its SIGKILL
+    assert elapsed < SETTLE + 2 + 6, f"the diagnosis and the stop took {elapsed - SETTLE:.1f} s past the timeout"
+    processes.nothing_left(error.run.log_dir)  # SIGKILL reached the ranks that ignored SIGTERM
 
 
 def test_a_running_job_says_where_its_ranks_are(processes):
@@ -329,15 +309,18 @@ def test_a_timeout_of_two_nodes_says_where_all_four_ranks_are(processes):
 
 
 @pytest.mark.parametrize("fresh", [False, True], ids=["forked", "fresh"])
-def test_interrupt_during_a_hang_says_where_every_rank_was(tmp_path, fresh, processes):
+def test_interrupt_during_a_hang_stops_every_rank_and_says_where_it_was(tmp_path, fresh, processes):
     proc, run_dir = _start_launching_process(tmp_path, processes, "hang_in_collective.py", "hanging", fresh=fresh)
     pids = processes.worker_pids(run_dir)
+    interrupted = time.monotonic()
     proc.send_signal(signal.SIGINT)
     stderr = _finish(proc, 15)
-    assert "LaunchInterrupted" in stderr and "Interrupted: stopped every worker" in stderr
+    assert "caught as KeyboardInterrupt: LaunchInterrupted" in stderr  # a kernel's Stop handling sees its own kind
+    assert "Interrupted: stopped every worker (KeyboardInterrupt)" in stderr
     assert f"rank 0: {RANK0_WHERE}" in stderr and f"rank 1: {RANK1_WHERE}" in stderr
-    assert not [pid for pid in pids if processes.alive(pid)]
-    assert issubclass(LaunchInterrupted, KeyboardInterrupt)
+    while any(processes.alive(pid) for pid in pids):
+        assert time.monotonic() - interrupted < 5, "workers survived an interrupt"
+        time.sleep(0.05)
 
 
 # ---------------------------------------------------------------------------- cleanup, blame, settings
@@ -385,19 +368,6 @@ def test_an_agent_dying_without_its_result_file_is_reported(processes):
         wait([job], timeout=30)
     processes.nothing_left(job.run_dir)
     assert not job.folder._rank_logs, "log files were left open"
-
-
-def test_fresh_mode_failure_and_timeout(processes):
-    with pytest.raises(WorkerFailed) as caught:
-        launch(WORKERS / "crash_in_collective.py", nproc=2, fresh=True, echo=False)
-    assert caught.value.rank == 1 and "ValueError: rank 1 broke on purpose" in str(caught.value)
-    processes.nothing_left(caught.value.run.log_dir)
-    job = start(SLEEPER, nproc=2, fresh=True, echo=False)
-    _until_every_rank_says([job], "sleeping", (0, 1))
-    with pytest.raises(LaunchTimeout) as caught:
-        wait([job], timeout=SETTLE)
-    assert caught.value.where == {rank: "in time.sleep at sleeper.py:9" for rank in (0, 1)}
-    processes.nothing_left(caught.value.run.log_dir)
 
 
 def test_workshop_cpu_budget_reaches_torch_in_forked_workers(monkeypatch):

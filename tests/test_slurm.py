@@ -5,7 +5,8 @@ own munge socket and key), so it touches nothing of a Slurm the machine may alre
 GPUs as GRES backed by /dev/null and /dev/zero: the script is the one generated for a GPU cluster
 (`#SBATCH --gpus-per-node=2`) and Slurm must accept that request; the job's workers then run on the CPU with
 gloo (torch finds no CUDA device). Skipped, with the reason, where the Slurm daemons or root are missing:
-`apt-get install slurmctld slurmd slurm-client munge` (Debian 12) provides them.
+`apt-get install slurmctld slurmd slurm-client munge` (Debian 12) provides them. In the slow set (README, "More
+checks"): `pytest -m slow tests/test_slurm.py`; .ci/run runs it after `pytest --nbval`.
 """
 from __future__ import annotations
 
@@ -14,15 +15,17 @@ import shutil
 import socket
 import subprocess
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 
 from helpers import REPO_ROOT, free_port
-from helpers.lessons.cluster import JobSize, check_slurm_script, write_job_files
+from helpers.lessons.cluster import JobSize, check_slurm_script, second_job_on_a_taken_port, write_job_files
 
+pytestmark = pytest.mark.slow
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "sinfo")
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
+         "PREEMPTED"}
 
 
 def _config(folder: Path, host: str) -> str:
@@ -89,13 +92,30 @@ def slurm(tmp_path_factory):
                     pass
 
 
+def _run_job(batch: Path, env: dict, limit: float = 180) -> tuple[str, str]:
+    """Submit `batch` from its folder; return (job id, final state) once Slurm says the job ended. Polled every
+    0.2 s: `sbatch --wait` polls at growing intervals (up to 10 s), which cost a job that fails at once 10 s."""
+    job_id = subprocess.run(["sbatch", "--parsable", batch.name], cwd=batch.parent, env=env, capture_output=True,
+                            text=True, check=True).stdout.strip().split(";")[0]
+    deadline = time.monotonic() + limit
+    while True:
+        shown = subprocess.run(["scontrol", "-o", "show", "job", job_id], env=env, capture_output=True, text=True)
+        state = next((field.split("=", 1)[1] for field in shown.stdout.split() if field.startswith("JobState=")), "")
+        if state in ENDED:
+            return job_id, state
+        assert time.monotonic() < deadline, f"job {job_id} still {state or shown.stderr.strip()} after {limit} s"
+        time.sleep(0.2)
+
+
 @pytest.mark.parametrize("chdir", [True, False], ids=["as-written", "without---chdir"])
 def test_the_generated_batch_script_runs_under_a_real_slurm(slurm, tmp_path, chdir):
     """sbatch from the job-files folder (not the repository): --chdir, the environment line and the relative
     script and checkpoint paths must all work as written. The job trains 4 steps on 2 ranks and checkpoints to a
-    path relative to the repository. Without --chdir the job starts in the job-files folder and cannot find
+    path relative to the repository (the job's folder) that leads out of it, into this test's own folder: tests
+    never write into the repository. Without --chdir the job starts in the job-files folder and cannot find
     the script."""
-    checkpoint = Path("runs", f"slurm-test-{uuid.uuid4().hex[:8]}.pt")  # relative: resolved in the job's folder
+    # relative: resolved in the job's folder, the repository; it lands in tmp_path only if the job ran there
+    checkpoint = Path(os.path.relpath(tmp_path / "checkpoint.pt", REPO_ROOT))
     size = JobSize(nodes=1, gpus_per_node=2, cpus_per_process=1, max_restarts=0)
     files = write_job_files(tmp_path / "job-files", "helpers/workers/fault_tolerance_train.py", size,
                             args=["--steps", "4", "--checkpoint", str(checkpoint), "--checkpoint-every", "2"])
@@ -107,21 +127,25 @@ def test_the_generated_batch_script_runs_under_a_real_slurm(slurm, tmp_path, chd
         text = "\n".join(line for line in text.splitlines() if not line.startswith("#SBATCH --chdir")) + "\n"
     batch.write_text(text)
     check_slurm_script(text)
-    try:
-        done = subprocess.run(["sbatch", "--parsable", "--wait", batch.name], cwd=batch.parent, env=slurm,
-                              capture_output=True, text=True, timeout=180)
-        job_id = done.stdout.strip().split(";")[0]
-        outputs = list(batch.parent.glob(f"*-{job_id}.out"))
-        log = outputs[0].read_text() if outputs else "(no output file)"
-        assert outputs == [batch.parent / f"ddp-train-{job_id}.out"], "the output did not land beside the job files"
-        if not chdir:  # catches a test that would pass whether or not the script moves into the repository
-            assert done.returncode != 0 and "can't open file" in log, log[-600:]
-            return
-        # catches a script that only runs from the repository root, misses its environment, or whose job fails
-        assert done.returncode == 0, f"sbatch --wait exited {done.returncode}: {done.stderr}\njob output:\n{log}"
-        # catches a job that trained on one rank (a wrong --nproc-per-node) or not at all
-        assert "attempt 0: world size 2, starting at step 0" in log, log[-600:]
-        assert (REPO_ROOT / checkpoint).exists(), f"no checkpoint at <repository>/{checkpoint}; job output:\n{log}"
-        print(f"Slurm job {job_id} ran; its output ends:\n{log[-600:]}")
-    finally:
-        (REPO_ROOT / checkpoint).unlink(missing_ok=True)
+    job_id, state = _run_job(batch, slurm)
+    outputs = list(batch.parent.glob(f"*-{job_id}.out"))
+    log = outputs[0].read_text() if outputs else "(no output file)"
+    assert outputs == [batch.parent / f"ddp-train-{job_id}.out"], "the output did not land beside the job files"
+    if not chdir:  # catches a test that would pass whether or not the script moves into the repository
+        assert state == "FAILED" and "can't open file" in log, log[-600:]
+        return
+    # catches a script that only runs from the repository root, misses its environment, or whose job fails
+    assert state == "COMPLETED", f"the job ended {state}; job output:\n{log}"
+    # catches a job that trained on one rank (a wrong --nproc-per-node) or not at all
+    assert "attempt 0: world size 2, starting at step 0" in log, log[-600:]
+    assert (REPO_ROOT / checkpoint).resolve() == (tmp_path / "checkpoint.pt").resolve()
+    assert (tmp_path / "checkpoint.pt").exists(), f"no checkpoint at <repository>/{checkpoint}; job output:\n{log}"
+    print(f"Slurm job {job_id} ran; its output ends:\n{log[-600:]}")
+
+
+def test_a_second_job_on_a_taken_port_joins_its_store_unless_told_it_hosts():
+    """The reviewer's reproduction of the fixed-port hazard: a c10d backend that guesses it is the host falls back
+    to being a client of whatever store holds the port; told is_host=1 it refuses instead."""
+    outcomes = second_job_on_a_taken_port()
+    assert outcomes["is_host guessed"] == "joined a store that says owner=job1", outcomes
+    assert outcomes["is_host=1"].startswith("refused: RendezvousConnectionError"), outcomes

@@ -24,7 +24,7 @@ from unittest import mock
 import torch
 from torch import nn
 
-from helpers.kit.tensors import nbytes
+from helpers.kit.tensors import own_bytes
 
 PHASES = ("scatter", "replicate", "forward", "gather", "loss", "backward", "reduce", "step")
 
@@ -48,7 +48,7 @@ class Broadcast(torch.autograd.Function):
     def forward(ctx, log: dict, num_devices: int, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.log, ctx.num_devices, ctx.num_params = log, num_devices, len(params)
         copies = [p.clone() for _ in range(num_devices - 1) for p in params]
-        log["bytes_copied"] = nbytes(copies)
+        log["bytes_copied"] = own_bytes(copies)
         return (*params, *copies)
 
     @staticmethod
@@ -57,7 +57,7 @@ class Broadcast(torch.autograd.Function):
         per_device = [grads[d * k:(d + 1) * k] for d in range(ctx.num_devices)]
         summed = [torch.stack(same_param).sum(0) for same_param in zip(*per_device, strict=True)]
         ctx.log.update(reduce_thread=threading.current_thread().name, reduce_calls=ctx.log.get("reduce_calls", 0) + 1,
-                       devices_summed=len(per_device), bytes_from_other_devices=nbytes(grads[k:]))
+                       devices_summed=len(per_device), bytes_from_other_devices=own_bytes(grads[k:]))
         return (None, None, *summed)
 
 
@@ -246,8 +246,8 @@ class NaiveDataParallel:
             record["weights_are_leaves"] = sum(w.is_leaf for w in weights[device])
             record["weight_grad_fn"] = type(weights[device][0].grad_fn).__name__
             record["replica_parameters"] = len(list(replicas[device].parameters()))
-            record["weight_bytes"] = nbytes(weights[device])
-            record["grad_bytes_computed"] = nbytes(grads[device])
+            record["weight_bytes"] = own_bytes(weights[device])
+            record["grad_bytes_computed"] = own_bytes(grads[device])
             record["storages"] = {w.untyped_storage().data_ptr() for w in weights[device]}
             record["optimizer_holds"] = len(record["storages"] & held)
 
@@ -258,7 +258,7 @@ class NaiveDataParallel:
         state = {p.untyped_storage().data_ptr(): s for p, s in optimizer.state.items()}
         for device, record in enumerate(work):
             storages = record.pop("storages")
-            record["optimizer_state_bytes"] = sum(nbytes([t for t in state[ptr].values() if torch.is_tensor(t)])
+            record["optimizer_state_bytes"] = sum(own_bytes([t for t in state[ptr].values() if torch.is_tensor(t)])
                                                   for ptr in storages & set(state))
             record["weights_changed_by_step"] = sum(not torch.equal(b, w.detach())
                                                     for b, w in zip(before[device], weights[device], strict=True))

@@ -18,11 +18,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from helpers.kit.tensors import _local, checksums
+from helpers.kit.tensors import checksums, local_shard
 
 
 class AllreduceCounter:
-    """State for counting_allreduce_hook: how many all-reduce calls DDP made, and their sizes."""
+    """State for counting_allreduce_hook: how many all-reduces DDP launched (one per gradient bucket) and each
+    bucket's number of elements.
+
+    Ours, through DDP's comm-hook API, rather than torch's CommDebugMode: CommDebugMode sees DDP's all-reduce too
+    (as c10d.allreduce_), but it keeps a count per op, and shapes only of DTensor arguments
+    (torch/distributed/tensor/debug/_comm_mode.py:677-706), not the size of each bucket, which lesson 03 measures."""
 
     def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
         self.process_group = process_group
@@ -77,7 +82,7 @@ class SavedActivations:
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         # Looked up now: FSDP swaps in gathered (unsharded) weights only while a layer runs.
-        weights = {_local(p).untyped_storage().data_ptr() for p in self.model.parameters()}
+        weights = {local_shard(p).untyped_storage().data_ptr() for p in self.model.parameters()}
         if tensor.untyped_storage().data_ptr() in weights:
             return tensor
         # A tensor saved twice (a ReLU output is also the next Linear's input) is held once.

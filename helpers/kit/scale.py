@@ -18,12 +18,8 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from helpers.kit.tensors import local_shard
 from helpers.kit.transformer import Transformer, apply_tp, loss_fn, make_optimizer
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a DTensor (to_local), or the tensor itself."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def tp_record(mesh: DeviceMesh, batches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -43,7 +39,7 @@ def tp_record(mesh: DeviceMesh, batches: list[tuple[torch.Tensor, torch.Tensor]]
     def keep(name: str):
         def hook(module, args, output) -> None:
             if name not in outputs and isinstance(output, torch.Tensor):
-                outputs[name] = local(output).detach().clone()
+                outputs[name] = local_shard(output).detach().clone()
         return hook
 
     hooks = [module.register_forward_hook(keep(name)) for name, module in model.named_modules() if name]
@@ -56,10 +52,10 @@ def tp_record(mesh: DeviceMesh, batches: list[tuple[torch.Tensor, torch.Tensor]]
                 handle.remove()
             hooks = []
             loss.backward()
-            grads = {name: local(p.grad).clone() for name, p in model.named_parameters()}
+            grads = {name: local_shard(p.grad).clone() for name, p in model.named_parameters()}
             optimizer.step()
             optimizer.zero_grad()
-        params = {name: local(p.detach()).clone() for name, p in model.named_parameters()}
+        params = {name: local_shard(p.detach()).clone() for name, p in model.named_parameters()}
         first_step_outputs = outputs if not record else {}
         record.append({"loss": loss.detach(), "grads": grads, "params": params, "outputs": first_step_outputs})
         if counter is not None:

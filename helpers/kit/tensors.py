@@ -1,9 +1,11 @@
 """Tensors as evidence: exact checksums, flat vectors to compare, byte counts. Worker kit (workers import it).
 
-    from helpers.kit.tensors import parameter_checksum, flat, max_abs_diff, nbytes, held_bytes
+    from helpers.kit.tensors import parameter_checksum, flat, max_abs_diff, own_bytes, storage_bytes
     parameter_checksum(model)             # equal on two ranks only if their weights are bitwise equal
     max_abs_diff(run_a, run_b)            # tensors, numbers, state dicts, or lists of them
-    held_bytes(model.parameters())        # what this rank holds (a DTensor's local shard only)
+    own_bytes(model.parameters())         # each tensor's own elements (a DTensor's local shard), views included
+    storage_bytes(model.parameters())     # the memory behind them, each storage once (0 once freed)
+    local_shard(tensor)                   # what this rank stores of a DTensor, or the tensor itself
 """
 from __future__ import annotations
 
@@ -50,18 +52,32 @@ def max_abs_diff(first: Any, second: Any) -> float:
     return float((a - b).abs().max()) if a.numel() else 0.0
 
 
-def nbytes(tensors: Iterable[torch.Tensor | None]) -> int:
-    """Bytes the tensors hold (None entries, such as missing gradients, count 0)."""
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-
-def held_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes these tensors occupy on this rank (only the local shard of a sharded DTensor)."""
-    return sum(_local(tensor).numel() * tensor.element_size() for tensor in tensors)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """What this rank stores of a tensor: a DTensor's local shard (to_local), or the tensor itself."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def own_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """The bytes of each tensor's own elements on this rank (numel x element size; a DTensor's local shard), added
+    up: a view counts its own elements, so two views of one storage count twice. None entries (a missing
+    gradient) count 0. What a tensor needs, not what memory holds: for that, storage_bytes."""
+    return sum(local_shard(t).numel() * t.element_size() for t in tensors if t is not None)
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """The bytes of memory behind the tensors on this rank now: each storage counted once, however many tensors
+    view it (a DTensor counts its local shard's storage).
+
+    A freed storage (resized to 0) counts 0. FSDP2 keeps each shard padded to ceil(rows / N) rows
+    (FSDPParam._sharded_param_data in torch/distributed/fsdp/_fully_shard/_fsdp_param.py), so where N does not
+    divide the rows this is more than the shard's own_bytes. Under FakeTensorMode a storage reports its size
+    though no byte is allocated. None entries count 0."""
+    storages = {}
+    for tensor in tensors:
+        if tensor is not None:
+            storage = local_shard(tensor).untyped_storage()
+            storages[storage._cdata] = storage.nbytes()  # _cdata: one per storage, shared by all its views
+    return sum(storages.values())
 
 
 def checksums(named_tensors: dict[str, torch.Tensor]) -> torch.Tensor:

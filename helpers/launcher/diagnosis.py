@@ -55,8 +55,9 @@ MEANINGS: list[tuple[re.Pattern, str]] = [
      "a one-tensor reduce-scatter or all-gather needs one tensor exactly world-size times the other ({0} vs. {1}): "
      "the flat tensor's length is not a multiple of the world size (pad it with zeros first)"),
     (re.compile(r"invalid tensor size at index \d+ \(expected \(([\d, ]+)\), got \(([\d, ]+)\)\)"),
-     "the ranks passed tensors of different shapes to the same collective (expected {0}, got {1}): every rank must "
-     "pass the same shape"),
+     "a tensor of this collective has the wrong size (expected {0}, got {1}): every rank must pass the same shape, "
+     "and a one-tensor all-gather's output must hold exactly world-size times its input (pad to a multiple of the "
+     "world size)"),
     (re.compile(r"Detected mismatch between collectives on ranks"),
      "the ranks called different collectives (or the same one with other shapes or dtypes) at the same point"),
     (re.compile(r"Timed out waiting \d+ms for recv operation to complete|Wait timeout|timed out", re.I),

@@ -16,7 +16,7 @@ from torch import nn
 
 from helpers.kit.dp_vs_ddp import NaiveDataParallel
 from helpers.kit.models import SimpleModel, mlp
-from helpers.kit.tensors import nbytes
+from helpers.kit.tensors import own_bytes
 from helpers.lessons.checks import correct, not_yet
 
 
@@ -46,7 +46,7 @@ def check_traffic(traffic: Callable[[int, int], int]) -> bool:
     Compared with what our rebuild's Broadcast copied and received (measured_traffic)."""
     for name, build in (("SimpleModel", SimpleModel), ("mlp(256, 14)", lambda: mlp(256, 14))):
         model = build()
-        parameter_bytes = nbytes(model.parameters())
+        parameter_bytes = own_bytes(model.parameters())
         for num_devices in (2, 3, 4):
             moved = measured_traffic(model, num_devices)
             try:

@@ -5,7 +5,7 @@
     pipeline_schedule(stages=2, microbatches=4, schedule="1f1b")        # slots, bubble, peak in flight
 
 The notebook imports the formulas, `measured_orders` and the exercise's check; the instruments its workers use
-(`SavedActivations`, `SimulatedWork`, `Stopwatch`) are in helpers/kit/instruments.py, `held_bytes` in
+(`SavedActivations`, `SimulatedWork`, `Stopwatch`) are in helpers/kit/instruments.py, `own_bytes` in
 helpers/kit/tensors.py, the model (`mlp`) and `split_stages` in helpers/kit/models.py, and `plot_timeline` in
 helpers/lessons/plots.py.
 Taught in notebooks/07_model_parallel.ipynb.

@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from helpers.kit.tensors import storage_bytes
+
 GB = 1e9  # the ZeRO paper and the Playbook print GB = 10**9 bytes (7.5e9 x 16 bytes = 120 GB)
 STAGES = ("DP", "ZeRO-1", "ZeRO-2", "ZeRO-3")
 PARTS = ("fp16 weights", "fp16 gradients", "fp32 master weights", "Adam state")
@@ -63,24 +65,6 @@ def _shard(model: nn.Sequential, mesh: Any) -> nn.Sequential:
     return fully_shard(model, mesh=mesh)  # one unit: FSDP2 still shards every parameter on its own (dim 0)
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """What this rank stores: a DTensor's local shard, or the tensor itself."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
-def tensor_bytes(tensors: Any) -> int:
-    """Bytes of the storage behind `tensors` on this rank, each storage counted once.
-
-    A DTensor counts its local shard's storage: FSDP2 keeps each shard padded to ceil(rows / N) rows
-    (FSDPParam._sharded_param_data in torch/distributed/fsdp/_fully_shard/_fsdp_param.py), so where N does not
-    divide the rows this is more than the shard's own numel. Under FakeTensorMode no byte is allocated."""
-    storages = {}
-    for tensor in tensors:
-        storage = _local(tensor).untyped_storage()
-        storages[storage._cdata] = storage.nbytes()
-    return sum(storages.values())
-
-
 def _trained(model: nn.Sequential, dtype: torch.dtype, optimizer: bool) -> dict[str, list[torch.Tensor]]:
     """One forward, backward (and Adam step) on a one-row batch; the tensors torch then keeps."""
     model(torch.zeros(1, model[0].in_features, dtype=dtype)).float().sum().backward()
@@ -104,9 +88,9 @@ def held_replicated(layers: int, width: int, hidden: int) -> dict[str, int]:
     with FakeTensorMode():
         half = _trained(stand_in(layers, width, hidden, torch.bfloat16), torch.bfloat16, optimizer=False)
         full = _trained(stand_in(layers, width, hidden, torch.float32), torch.float32, optimizer=True)
-    return {"fp16 weights": tensor_bytes(half["params"]), "fp16 gradients": tensor_bytes(half["grads"]),
-            "fp32 master weights": tensor_bytes(full["params"]), "Adam state": tensor_bytes(full["state"]),
-            "fp32 gradients": tensor_bytes(full["grads"])}
+    return {"fp16 weights": storage_bytes(half["params"]), "fp16 gradients": storage_bytes(half["grads"]),
+            "fp32 master weights": storage_bytes(full["params"]), "Adam state": storage_bytes(full["state"]),
+            "fp32 gradients": storage_bytes(full["grads"])}
 
 
 def held_sharded(layers: int, width: int, hidden: int, world_size: int) -> dict[str, int]:
@@ -120,9 +104,9 @@ def held_sharded(layers: int, width: int, hidden: int, world_size: int) -> dict[
     with FakeTensorMode():
         half = _trained(_shard(stand_in(layers, width, hidden, torch.bfloat16), mesh), torch.bfloat16, False)
         full = _trained(_shard(stand_in(layers, width, hidden, torch.float32), mesh), torch.float32, True)
-    return {"fp16 weights": tensor_bytes(half["params"]), "fp16 gradients": tensor_bytes(half["grads"]),
-            "fp32 master weights": tensor_bytes(full["params"]), "Adam state": tensor_bytes(full["state"]),
-            "fp32 gradients": tensor_bytes(full["grads"])}
+    return {"fp16 weights": storage_bytes(half["params"]), "fp16 gradients": storage_bytes(half["grads"]),
+            "fp32 master weights": storage_bytes(full["params"]), "Adam state": storage_bytes(full["state"]),
+            "fp32 gradients": storage_bytes(full["grads"])}
 
 
 # Which parts each ZeRO stage shards (the paper's section 5: P_os, P_os+g, P_os+g+p); the rest is replicated.
@@ -383,37 +367,72 @@ def order_probe_twin(world_size: int = 4) -> dict[str, list[float]]:
 
 # --- the planner: our formulas, checked against the simulations above -------------------------------------------
 
-def plan(n_params: float, dp: int, tp: int = 1, pp: int = 1, microbatches: int = 1, stage: str = "ZeRO-3",
-         fp32_gradients: bool = False, blocks: int = 2, tokens: int = 4096, hidden: int = 4096) -> dict[str, Any]:
-    """Our planner for a dp x tp x pp layout with ZeRO `stage` over dp (formulas, not measurements).
+def ring_attention_bytes(tokens: float, kv_hidden: int, cp: int, bytes_per_value: int = 2) -> float:
+    """Bytes one rank sends for one attention layer and one micro-batch under ring attention over `cp` ranks, forward
+    and backward: its keys and values (tokens / cp x kv_hidden values each) travel cp - 1 times in forward, cp - 1 times
+    again in backward, and their gradients cp times (the last pass brings them home): (3 cp - 2) x its k and v.
+    An all-gather of k and v sends the same bytes (each rank's block reaches the cp - 1 others); it holds more."""
+    if cp == 1:
+        return 0.0
+    return (3 * cp - 2) * 2 * tokens / cp * kv_hidden * bytes_per_value
 
-    memory: bytes per rank by part, the ZeRO paper's accounting on the rank's Psi / (tp x pp) parameters (plus fp32
-    gradients, 4 bytes, sharded from ZeRO-2 on, as the Playbook notes). traffic: bytes each rank sends per step on
-    each mesh dimension, ring algorithms ((n-1)/n of the data per all-gather or reduce-scatter, twice that per
-    all-reduce); dp moves bf16 gradients (2 x Psi', an all-reduce) or, at ZeRO-3, bf16 weights twice and gradients
-    once; tp moves the activations (tokens x hidden x 2 bytes per micro-batch) 8 times per block with sequence
-    parallelism; pp sends one activation forward and one gradient back per micro-batch. counts: collectives per
-    step for lesson 10's transformer with `blocks` blocks. bubble: (pp - 1) / (microbatches + pp - 1).
+
+def moe_all_to_all_bytes(tokens: float, hidden: int, ep: int, top_k: int = 2, bytes_per_value: int = 2) -> float:
+    """Bytes one rank sends in ONE token all-to-all of a mixture-of-experts layer over `ep` ranks, with every expert
+    equally loaded: each of its tokens goes to top_k experts, (ep - 1) / ep of them on other ranks. A step has four
+    (dispatch and combine, forward and backward); the count exchange before them is a few bytes per expert."""
+    return tokens * top_k * hidden * bytes_per_value * (ep - 1) / ep
+
+
+def attention_saved_bytes(tokens: float, hidden: int, heads: int, cp: int = 1, bytes_per_value: int = 2,
+                          lse_bytes: int = 4) -> float:
+    """Bytes one rank keeps for backward from one attention layer with a fused (flash) kernel: q, k, v and the output
+    of its tokens / cp tokens, and one log-sum-exp per token and head. Linear in the tokens, divided by cp."""
+    return tokens / cp * (4 * hidden * bytes_per_value + heads * lse_bytes)
+
+
+def plan(n_params: float, dp: int, tp: int = 1, pp: int = 1, microbatches: int = 1, stage: str = "ZeRO-3",
+         fp32_gradients: bool = False, blocks: int = 2, tokens: int = 4096, hidden: int = 4096, cp: int = 1,
+         ep: int = 1, expert_params: float = 0.0, top_k: int = 2, heads: int = 32) -> dict[str, Any]:
+    """Our planner for a dp x tp x pp (x cp, with ep over the dp ranks) layout with ZeRO `stage` over dp (formulas,
+    not measurements).
+
+    memory: bytes per rank by part, the ZeRO paper's accounting on the rank's Psi' parameters, Psi' = (dense) /
+    (tp x pp) + (expert_params) / (tp x pp x ep) (plus fp32 gradients, 4 bytes, sharded from ZeRO-2 on, as the Playbook
+    notes). traffic: bytes each rank sends per step on each mesh dimension, ring algorithms ((n-1)/n of the data per
+    all-gather or reduce-scatter, twice that per all-reduce); dp moves bf16 gradients (2 x Psi', an all-reduce) or, at
+    ZeRO-3, bf16 weights twice and gradients once; tp moves the activations (tokens / cp x hidden x 2 bytes per
+    micro-batch) 8 times per block with sequence parallelism; pp sends one activation forward and one gradient back per
+    micro-batch; cp: ring attention's k and v, ring_attention_bytes per block; ep: four token all-to-alls per block,
+    moe_all_to_all_bytes (every block a MoE block, experts equally loaded). counts: collectives per step for lesson 10's
+    transformer with `blocks` blocks. bubble: (pp - 1) / (microbatches + pp - 1). attention saved: bytes one rank keeps
+    for backward per attention layer and micro-batch (attention_saved_bytes). cp = ep = 1 gives lesson 11's planner.
     """
     from helpers.lessons.model_parallel import bubble_fraction
 
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {STAGES}, not {stage!r}")
-    if min(dp, tp, pp, microbatches) < 1:
-        raise ValueError("dp, tp, pp and microbatches must be at least 1")
-    psi = n_params / (tp * pp)
+    if min(dp, tp, pp, microbatches, cp, ep) < 1:
+        raise ValueError("dp, tp, pp, microbatches, cp and ep must be at least 1")
+    if not 0 <= expert_params <= n_params:
+        raise ValueError(f"expert_params must be between 0 and n_params, got {expert_params:g}")
+    psi = (n_params - expert_params) / (tp * pp) + expert_params / (tp * pp * ep)
     per_param = {"fp16 weights": 2, "fp16 gradients": 2, "fp32 master weights": 4, "Adam state": 8,
                  "fp32 gradients": 4 if fp32_gradients else 0}
     memory = {part: psi * size / (dp if part in SHARDED_PARTS[stage] else 1) for part, size in per_param.items()}
     ring = lambda n: (n - 1) / n  # noqa: E731 - the share of the data each rank sends in a ring
     dp_passes = 3 if stage == "ZeRO-3" else 2
-    activation = tokens * hidden * 2  # one micro-batch's activations in bf16, bytes
+    activation = tokens / cp * hidden * 2  # one micro-batch's activations on this rank in bf16, bytes
+    per_block = blocks / pp * microbatches
     traffic = {"dp": dp_passes * ring(dp) * 2 * psi,
-               "tp": 8 * blocks / pp * microbatches * ring(tp) * activation if tp > 1 else 0.0,
-               "pp": 2 * microbatches * activation if pp > 1 else 0.0}
+               "tp": 8 * per_block * ring(tp) * activation if tp > 1 else 0.0,
+               "pp": 2 * microbatches * activation if pp > 1 else 0.0,
+               "cp": per_block * ring_attention_bytes(tokens, hidden // tp, cp),
+               "ep": 4 * per_block * moe_all_to_all_bytes(tokens / cp, hidden, ep, top_k) if ep > 1 else 0.0}
     counts = {"dp": fsdp_collectives(blocks) if stage == "ZeRO-3" and dp > 1 else {},
               "tp": tp_collectives(blocks) if tp > 1 else {}}
-    return {"memory": memory, "traffic": traffic, "counts": counts, "bubble": bubble_fraction(pp, microbatches)}
+    return {"memory": memory, "traffic": traffic, "counts": counts, "bubble": bubble_fraction(pp, microbatches),
+            "attention saved": attention_saved_bytes(tokens, hidden // tp, heads // tp, cp)}
 
 
 def planner_figure(billions: float = 7.5, dp: int = 64, tp: int = 1, pp: int = 1, microbatches: int = 8,
@@ -434,8 +453,9 @@ def planner_figure(billions: float = 7.5, dp: int = 64, tp: int = 1, pp: int = 1
              ylim=(0, 1.15 * max(bottoms)))
     left.legend(fontsize="x-small")
     chosen = plan(billions * 1e9, dp, tp, pp, microbatches, stage, fp32_gradients)
-    sent = [v / GB for v in chosen["traffic"].values()]
-    middle.bar(list(chosen["traffic"]), sent, color="tab:purple")
+    shown = {dim: v for dim, v in chosen["traffic"].items() if dim in ("dp", "tp", "pp") or v}  # cp, ep when used
+    sent = [v / GB for v in shown.values()]
+    middle.bar(list(shown), sent, color="tab:purple")
     for x, value in enumerate(sent):
         middle.text(x, value, f"{value:.3g}", ha="center", va="bottom", fontsize="small")
     # plan's fixed shape (lesson 10's 2 blocks, 4096 tokens x 4096 hidden per micro-batch) whatever the model size:

@@ -432,12 +432,13 @@ def one_check(results: dict[int, dict], index: int) -> dict[int, dict]:
     return out
 
 
-GLOO_SIZE_CHECK = re.compile(r"worldSize == (input|output)Shape")
+GLOO_SIZE_CHECK = re.compile(r"worldSize == (input|output)Shape|invalid tensor size at index")
 
 
 def crash_message(error: WorkerFailed, what: str) -> str:
-    """explain_crash's paragraph, with what gloo's shape check of a reduce-scatter or an all-gather means here."""
-    if getattr(error, "meaning", None) is None and GLOO_SIZE_CHECK.search(f"{error.error or ''}\n{error}"):
+    """explain_crash's paragraph, with what gloo's shape check of a reduce-scatter or an all-gather means in this
+    lesson (the launcher's general sentence replaced by one that names the lesson's padded_flat)."""
+    if GLOO_SIZE_CHECK.search(f"{error.error or ''}\n{error}"):
         error.meaning = ("gloo checks that a reduce-scatter's input holds exactly world_size times its output's values "
                          "(an all-gather's output world_size times its input's); a parameter whose size does not "
                          "divide by the world size must be padded with zeros first (padded_flat), so that every "

@@ -40,7 +40,10 @@ FULL_TENSOR_ARG = {"_allgather_base_": 0, "_reduce_scatter_base_": 1, "allreduce
 class CollectivesByDimension(TorchDispatchMode):
     """Ours: count each collective op by the mesh dimension whose ranks run it, with its bytes.
     c10d ops (FSDP2's) carry the ProcessGroup as a boxed object; functional ones (DTensor's) its name.
-    Matched by ranks, not by name: two meshes over the same ranks may share one group."""
+    Matched by ranks, not by name: two meshes over the same ranks may share one group.
+    Beside torch's CommDebugMode, not instead of it: CommDebugMode counts per op, with no process group
+    (torch/distributed/tensor/debug/_comm_mode.py:706), so it cannot tell dp's all-gathers from tp's; the lesson
+    checks that both give the same totals (helpers.lessons.mesh.agrees_with_commdebugmode)."""
 
     def __init__(self, mesh: DeviceMesh) -> None:
         super().__init__()

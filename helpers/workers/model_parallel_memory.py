@@ -31,7 +31,7 @@ from helpers.kit.distributed import init_distributed
 from helpers.kit.instruments import SavedActivations
 from helpers.kit.models import mlp
 from helpers.kit.reporting import result
-from helpers.kit.tensors import held_bytes
+from helpers.kit.tensors import own_bytes
 
 
 def wrap(model: nn.Module, mode: str, device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -75,9 +75,9 @@ def measure(mode: str, args: argparse.Namespace, rank: int, world_size: int,
         logits = model(images)
     nn.functional.cross_entropy(logits, labels).backward()
     optimizer.step()
-    return {"params": held_bytes(model.parameters()),
-            "grads": held_bytes(p.grad for p in model.parameters() if p.grad is not None),
-            "optimizer": held_bytes(adam_moments(optimizer)),
+    return {"params": own_bytes(model.parameters()),
+            "grads": own_bytes(p.grad for p in model.parameters() if p.grad is not None),
+            "optimizer": own_bytes(adam_moments(optimizer)),
             "activations": saved.bytes}
 
 
@@ -98,7 +98,7 @@ def ddp_gradient_storage(args: argparse.Namespace, rank: int, world_size: int, d
         nn.functional.cross_entropy(model(images), labels).backward()
     storages = {p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage().nbytes() for p in model.parameters()}
     storages.update({s.data_ptr(): s.nbytes() for s in buckets.values()})
-    grads = held_bytes(p.grad for p in model.parameters())
+    grads = own_bytes(p.grad for p in model.parameters())
     # Our hook holds a reference to each bucket's storage, so the sum above could count a bucket only we kept.
     # Who else holds it: the storage's reference count minus ours (torch._C._storage_Use_Count, a private
     # function), after zero_grad() has freed the .grad tensors (set_to_none=True). The first .grad's storage,

@@ -236,7 +236,7 @@ def test_a_rank_killed_by_an_abort_is_placed_from_faulthandlers_stacks():
 @pytest.mark.parametrize("text, words", [
     (ABORT_LOG, "a peer sent this rank 12 bytes where it expected at most 8"),
     ("RuntimeError: ProcessGroupGloo::allgather: invalid tensor size at index 0 (expected (8), got (9))",
-     "different shapes to the same collective (expected 8, got 9)"),
+     "has the wrong size (expected 8, got 9)"),
     ("RuntimeError: [rank0]:[F1206 ProcessGroupGloo.cpp:1583] Check failed: outputShape[0] * worldSize == "
      "inputShape[0] (36 vs. 35)", "exactly world-size times the other (36 vs. 35)"),
     ("RuntimeError: Detected mismatch between collectives on ranks. Rank 0 is running collective: ...",

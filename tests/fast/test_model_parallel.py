@@ -4,6 +4,7 @@ functions, without launches."""
 
 import pytest
 import torch
+from torch import nn
 
 from helpers.kit.instruments import SavedActivations
 from helpers.kit.models import mlp, split_stages
@@ -71,9 +72,14 @@ def test_saved_activations_counts_live_and_peak_bytes():
     assert saved.bytes == saved.peak == activation_bytes(4, 8, 1) and saved.live == 0
 
 
-def test_split_stages_covers_the_model():
-    stages = split_stages(mlp(8, 3), 2)
-    assert sum(len(s) for s in stages) == len(mlp(8, 3)) and len(stages) == 2
+def test_split_stages_keeps_every_layer_once_in_order_and_balances_parameters():
+    model = mlp(8, 3)
+    stages = split_stages(model, 2)
+    # layer by layer, the very modules of the model: catches a split that repeats one layer and drops another
+    assert [layer for stage in stages for layer in stage] == list(model)
+    assert [len(stage) for stage in stages] == [2, 8]  # Linear(784, 8) holds 6,280 of 6,586 parameters: cut after it
+    even = nn.Sequential(*[nn.Linear(4, 4) for _ in range(6)])
+    assert [list(stage) for stage in split_stages(even, 3)] == [list(even[i:i + 2]) for i in (0, 2, 4)]
 
 
 # What torch's Schedule1F1B ran in the lesson's run (2 stages), as ran_orders reads it from the timelines.

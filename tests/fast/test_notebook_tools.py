@@ -1,6 +1,7 @@
 """The maintainers' notebook runner's one workaround (helpers.tools.notebook_tools): a timeout after the kernel
 went idle for that very cell is a lost execute_reply (jupyter/nbclient#312) and the run goes on; any other timeout
-still fails."""
+still fails. These call the overridden coroutines directly; that nbclient itself still calls them (so the workaround is
+in effect) is pinned in tests/fast/test_private_apis.py."""
 from __future__ import annotations
 
 import asyncio

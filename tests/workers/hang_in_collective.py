@@ -1,4 +1,7 @@
-"""A hang: rank 0 waits in all_reduce for a rank 1 that sleeps instead. Prints 'hanging' once there."""
+"""A hang: rank 0 waits in all_reduce for a rank 1 that sleeps instead. Prints 'hanging' once there.
+With --ignore-sigterm every rank also ignores SIGTERM (the launcher must still stop it)."""
+import signal
+import sys
 import time
 
 import torch
@@ -6,6 +9,8 @@ import torch.distributed as dist
 
 from helpers.kit.reporting import report
 
+if "--ignore-sigterm" in sys.argv:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 dist.init_process_group("gloo")
 for step in range(3):
     dist.all_reduce(torch.ones(1))

@@ -1,0 +1,738 @@
+"""Lesson 12 (context and expert parallelism): the exercise checks, and the tables and pictures of the lesson.
+
+    from helpers.lessons.context_experts import check_merge, check_ring, check_moe
+    check_merge("my_ring_attention.py")               # in this process: prints "Correct: ..." or "Not yet: ..."
+    checked = check_ring("my_ring_attention.py", causal=True, keep=runs)   # launches context_check.py on 2, 4 ranks
+    checked = check_moe("my_moe.py", keep=runs)                            # launches experts_check.py on 2, 4 ranks
+
+Every number a check compares with comes from the same run: one-process attention (F.scaled_dot_product_attention)
+and torch's own ring attention for context parallelism, the same mixture of experts in one process for expert
+parallelism (helpers/kit/context_experts.py). The workers are helpers/workers/context_*.py and experts_*.py.
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from helpers import LaunchTimeout, WorkerFailed, launch
+from helpers.kit import WORKERS
+from helpers.kit.context_experts import block_attention, layout
+from helpers.lessons.checks import correct, each_rank, explain_crash, not_yet
+
+TRUTH, TORCH = 1e-5, 1e-6  # fp32: against one-process attention (the issue's bar), against torch's own ring
+SIZES = (2, 4)
+
+
+class Checked:
+    """What a launching check hands back: true when it passed; `.results[world_size]` holds every rank's results."""
+
+    def __init__(self, passed: bool, results: dict[int, dict] | None = None, path: str | None = None) -> None:
+        self.passed, self.results, self.path = passed, results or {}, path
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+
+def _launch(worker: str, nproc: int, args: list[str], timeout: float, what: str) -> tuple[Any, str | None]:
+    """One launch: (run, None), or (None, the sentence a learner reads) when it crashed or hung."""
+    try:
+        return launch(WORKERS / worker, nproc=nproc, echo=False, timeout=timeout, args=args), None
+    except LaunchTimeout as error:
+        return None, (f"{what} on {nproc} ranks did not finish within {timeout:g} s; where each rank was waiting:"
+                      f"{each_rank(error.where)}. A rank that waits in a receive or a collective its peer never "
+                      f"joins: check which rank each send goes to and which each receive expects.")
+    except WorkerFailed as error:  # what not_yet_crashed says: the rank, the learner's line, what gloo's check means
+        return None, explain_crash(error, f"{what} on {nproc} ranks")
+
+
+# --------------------------------------------------------------------------------------------- exercise 1
+
+
+def load_module(path: str | Path) -> Any:
+    """Import a learner's file afresh (edits since the last import are seen)."""
+    path = Path(path).resolve()
+    spec = importlib.util.spec_from_file_location(f"learner_{path.stem}_{path.stat().st_mtime_ns}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _merge_cases() -> list[tuple[str, tuple, tuple]]:
+    """(what, the two blocks' (out, lse, out, lse), the truth (out, lse)) for the merge check."""
+    generator = torch.Generator().manual_seed(0)
+    cases = []
+    for what, scale in (("ordinary scores", 1.0), ("large scores (log-sum-exp up to 276)", 80.0)):
+        q = torch.randn(1, 2, 5, 8, generator=generator) * scale
+        k, v = torch.randn(1, 2, 12, 8, generator=generator), torch.randn(1, 2, 12, 8, generator=generator)
+        first = block_attention(q, k[..., :7, :], v[..., :7, :])
+        second = block_attention(q, k[..., 7:, :], v[..., 7:, :])
+        cases.append((what, (*first, *second), block_attention(q, k, v)))
+    return cases
+
+
+def merge_problem(merge: Any) -> str | None:
+    """The first thing wrong with a learner's merge(out, lse, block_out, block_lse), or None."""
+    for what, blocks, (want_out, want_lse) in _merge_cases():
+        try:
+            got = merge(*blocks)
+        except Exception as error:  # the learner's own code: any error is theirs to see
+            return f"merge raised {type(error).__name__}: {error}"
+        if not (isinstance(got, tuple) and len(got) == 2 and all(isinstance(t, torch.Tensor) for t in got)):
+            return f"merge should return two tensors (out, lse), it returned {type(got).__name__}"
+        out, lse = got
+        if out.shape != want_out.shape or lse.shape != want_lse.shape:
+            return (f"merge returned out of shape {list(out.shape)} and lse of shape {list(lse.shape)}; both blocks'"
+                    f" shapes are {list(want_out.shape)} and {list(want_lse.shape)}")
+        if not (torch.isfinite(out).all() and torch.isfinite(lse).all()):
+            return (f"with {what} merge returned inf or nan: exp(lse) overflows float32 above lse = 88 (its largest "
+                    "value is 3.4e38); subtract the larger lse before exp, or use torch.logaddexp")
+        out_1, lse_1, out_2, lse_2 = blocks
+        if (out - want_out).abs().max() > TRUTH:
+            hint = _merge_hint(out, (out_1, lse_1, out_2, lse_2))
+            return f"with {what} the merged output differs from attention over both blocks" + hint
+        if ((lse - want_lse).abs() / want_lse.abs().clamp_min(1)).max() > TRUTH:  # relative: float32 near 276
+            if torch.allclose(lse, torch.maximum(lse_1, lse_2)):
+                return ("the merged output is right but the new lse is the larger of the two: it must be "
+                        "log(exp(lse) + exp(block_lse)), what the next block's merge weighs against")
+            if torch.allclose(lse, lse_1) or torch.allclose(lse, lse_2):
+                return ("the merged output is right but merge returned one block's lse unchanged: the new lse is "
+                        "log(exp(lse) + exp(block_lse)), what the next block's merge weighs against")
+            return "the merged output is right but the new lse is not log(exp(lse) + exp(block_lse))"
+    return None
+
+
+def _merge_hint(out: torch.Tensor, blocks: tuple) -> str:
+    out_1, lse_1, out_2, lse_2 = blocks
+    if torch.allclose(out, out_2) or torch.allclose(out, out_1):
+        return ": it equals one block's output (the other block was dropped)."
+    if torch.allclose(out, (out_1 + out_2) / 2, atol=TRUTH):
+        return (": it is the plain average of the two outputs; weigh each by its share of the softmax's "
+                "denominator, exp(lse_i - new_lse).")
+    if torch.allclose(out, out_1 + out_2, atol=TRUTH):
+        return ": it is the sum of the two outputs; weigh each by exp(lse_i - new_lse), which add up to 1."
+    largest = torch.maximum(lse_1, lse_2).unsqueeze(-1)
+    unnormalised = torch.exp(lse_1.unsqueeze(-1) - largest) * out_1 + torch.exp(lse_2.unsqueeze(-1) - largest) * out_2
+    if torch.allclose(out, unnormalised, atol=TRUTH):
+        return (": the weights exp(lse_i - max) do not add up to 1; divide by their sum (equivalently, use "
+                "exp(lse_i - new_lse)).")
+    return f" by up to {float((out - _truth_of(blocks)).abs().max()):.2g}."
+
+
+def _truth_of(blocks: tuple) -> torch.Tensor:
+    out_1, lse_1, out_2, lse_2 = blocks
+    new = torch.logaddexp(lse_1, lse_2).unsqueeze(-1)
+    return torch.exp(lse_1.unsqueeze(-1) - new) * out_1 + torch.exp(lse_2.unsqueeze(-1) - new) * out_2
+
+
+def merge_figure() -> Any:
+    """One query over 12 keys in two blocks (7 + 5): each block's own softmax weights, and the same weights rescaled
+    by exp(lse_block - lse_all), which is what the merge does; computed here, in this process."""
+    import matplotlib.pyplot as plt
+
+    generator = torch.Generator().manual_seed(3)
+    q, k = torch.randn(1, 8, generator=generator), torch.randn(12, 8, generator=generator)
+    scores = (q @ k.t()).squeeze(0) / math.sqrt(8)
+    blocks = (scores[:7], scores[7:])
+    lses = [torch.logsumexp(b, 0) for b in blocks]
+    total = torch.logsumexp(scores, 0)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 2.8), dpi=80, layout="constrained", sharey=True)
+    for start, block, lse, colour in ((0, blocks[0], lses[0], "tab:blue"), (7, blocks[1], lses[1], "tab:orange")):
+        keys, weights = list(range(start, start + len(block))), torch.softmax(block, 0)
+        axes[0].bar(keys, weights.tolist(), color=colour,
+                    label=f"block of keys {start}-{start + len(block) - 1}: lse {lse:.2f}, weights sum to 1")
+        axes[1].bar(keys, (weights * torch.exp(lse - total)).tolist(), color=colour,
+                    label=f"x exp({lse:.2f} - {total:.2f}) = x {torch.exp(lse - total):.2f}")
+    axes[1].plot(range(12), torch.softmax(scores, 0).tolist(), "k_", markersize=14, label="softmax over all 12 keys")
+    axes[0].set(title="each block on its own", xlabel="key", ylabel="attention weight")
+    axes[1].set(title=f"merged: lse = log(exp({lses[0]:.2f}) + exp({lses[1]:.2f})) = {total:.2f}", xlabel="key")
+    for ax in axes:
+        ax.legend(fontsize=8)
+    return fig
+
+
+def check_merge(path: str | Path) -> bool:
+    """Exercise 1: `merge` in the learner's file, in this process (no launch)."""
+    try:
+        merge = load_module(path).merge
+    except Exception as error:
+        return not_yet(f"importing merge from {Path(path).name} failed: {type(error).__name__}: {error}")
+    problem = merge_problem(merge)
+    if problem:
+        return not_yet(problem)
+    worst = max(float((merge(*blocks)[0] - want[0]).abs().max()) for _, blocks, want in _merge_cases())
+    return correct(f"merge gives attention over both blocks, output and log-sum-exp, for ordinary scores and for "
+                   f"scores whose log-sum-exp reaches 276 (max abs diff {worst:.1g} < {TRUTH:g}).")
+
+
+# --------------------------------------------------------------------------------------------- exercises 2 and 3
+
+MISTAKE_ADVICE = {
+    "no diagonal mask": ("a ring that does not mask the diagonal block: where a query chunk meets its own keys, query "
+                         "i of the block may see keys 0..i only (block_attention(..., diagonal=True))"),
+    "blocks above the diagonal computed": ("a ring that also uses the blocks above the diagonal (key chunks that "
+                                           "come after the query chunk): no query may see those keys, skip them"),
+    "sent the other way round": ("a ring that takes the block it holds at step s for another rank's: sending to "
+                                 "rank + 1 and receiving from rank - 1, the block at step s is rank (rank - s) mod "
+                                 "N's, whose chunks are layout[(rank - s) % N] (a ring that sends to rank - 1 but "
+                                 "labels the blocks that way gives this same output, as does one that labels them "
+                                 "(rank + s))"),
+    "sum of blocks, not merged": "the sum of the blocks' outputs: merge them by the log-sum-exp rule (exercise 1)",
+}
+
+
+def _where(rank: int, kind: str, world_size: int) -> str:
+    return f"{world_size} ranks, {kind} layout {layout(kind, world_size)}, rank {rank}"
+
+
+def ring_problem(per_rank: dict[int, dict], causal: bool) -> str | None:
+    """The first thing wrong in one launch's results of one file, as the sentence after "Not yet: ", or None."""
+    first = per_rank[min(per_rank)]
+    if "error" in first:
+        return f"the check ran into {first['error']}"
+    for kind in first:
+        for find in (lambda got: _output_problem(got, causal), _gradient_problem,  # outputs on every rank first
+                     lambda got: _work_problem(got, causal)):
+            for rank, graded in sorted(per_rank.items()):
+                problem = find(graded[kind])
+                if problem:
+                    return f"{_where(rank, kind, len(graded[kind]['layout']))}: {problem}"
+    return None
+
+
+def _output_problem(got: dict, causal: bool) -> str | None:
+    world_size = len(got["layout"])
+    want_shape = [1, 2, len(got["rows"]), 8]
+    if got["shape"] != want_shape:
+        return (f"ring_attention returned {got['shape']}; it should return this rank's output, the shape of its "
+                f"q, {want_shape}.")
+    if got["backward_error"]:
+        return ("the output does not require grad, so no backward can run: return RingAttention.apply(q, k, v, "
+                "layout, causal) from ring_attention.")
+    error = got["vs_truth"]["out"]
+    if error <= TRUTH:
+        return None
+    if math.isnan(error):
+        return ("the output holds nan: a block whose every score is masked leaves softmax nothing to divide by. "
+                "Skip blocks whose keys all come after the queries instead of masking them.")
+    matches = got["matches"]
+    if matches["steps"]:
+        seen = "its own chunks only" if matches["steps"] == 1 else f"the blocks of the first {matches['steps']} steps"
+        return (f"the output equals attention over {seen} of the ring; the ring has {world_size} steps, and every "
+                "query must see the keys of every rank (that come before it, with a causal mask).")
+    for mistake in MISTAKE_ADVICE:
+        if mistake in matches["mistakes"]:
+            return f"the output equals {MISTAKE_ADVICE[mistake]}."
+    return (f"the output differs from one-process attention over the whole sequence by up to {error:.2g} (more "
+            f"than {TRUTH:g}).")
+
+
+def _gradient_problem(got: dict) -> str | None:
+    for name in ("q", "k", "v"):
+        error = got["vs_truth"][name]
+        if error <= TRUTH:
+            continue
+        matches = got["matches"]
+        if name in "kv" and matches["k_owner"] is not None:
+            return (f"d{name} equals the gradient of rank {matches['k_owner']}'s keys and values: the gradients of a "
+                    "block travel with it and must end at the rank that owns the block (after the last step, pass "
+                    "them on once more).")
+        if name in "kv" and matches["own_share_only"]:
+            return (f"d{name} holds only this rank's own queries' share: dk and dv must travel around the ring with "
+                    "their block, each rank adding its queries' share, and come home.")
+        return (f"the output is right but d{name} differs from one-process attention's gradient by up to "
+                f"{error:.2g} (more than {TRUTH:g}).")
+    for name, error in got["vs_torch"].items():
+        if error > TORCH:
+            tensor = name if name == "out" else "d" + name
+            return (f"every tensor is within {TRUTH:g} of one-process attention, but {tensor} differs from torch's "
+                    f"own ring attention by {error:.2g} (more than {TORCH:g}).")
+    return None
+
+
+def _work_problem(got: dict, causal: bool) -> str | None:
+    need = got["expected"]["blocks"] * got["block_flops"]
+    done = got["forward"]["flops"]
+    if done <= need:
+        return None
+    extra = (done - need) / got["block_flops"]
+    if causal:
+        return (f"the result is right, but the forward computed {done} FLOPs where the {got['expected']['blocks']} "
+                f"blocks it needs take {need} ({extra:g} block(s) more): a block whose keys all come after its "
+                "queries needs no work; skip it rather than mask it.")
+    return (f"the result is right, but the forward computed {done} FLOPs where this rank's queries over every key take "
+            f"{need}: compute this rank's queries only.")
+
+
+def check_ring(path: str | Path, causal: bool = False, keep: dict | None = None, timeout: float = 60,
+               sizes: tuple[int, ...] = SIZES) -> Checked:
+    """Exercises 2 (causal=False) and 3 (causal=True): the learner's ring_attention on 2 and then 4 ranks.
+    keep: a dict that receives the check under "ring" or "causal" when it passes."""
+    problem = _merge_first(path)
+    if problem:
+        return Checked(not_yet(problem))
+    results = {}
+    what = f"the {'causal ' if causal else ''}ring attention check of {Path(path).name}"
+    for nproc in sizes:
+        print(f"Checking on {nproc} ranks...", flush=True)
+        run, failed = _launch("context_check.py", nproc, ["--impl", str(Path(path).resolve())]
+                              + (["--causal"] if causal else []), timeout, what)
+        if failed:
+            return Checked(not_yet(failed))
+        per_rank = {rank: got["graded"][str(Path(path).resolve())] for rank, got in run.results.items()}
+        problem = ring_problem(per_rank, causal)
+        if problem:
+            return Checked(not_yet(problem), results)
+        results[nproc] = per_rank
+    truth = max(g["vs_truth"][n] for r in results.values() for g_kind in r.values() for g in g_kind.values()
+                for n in ("out", "q", "k", "v"))
+    theirs = max(g["vs_torch"][n] for r in results.values() for g_kind in r.values() for g in g_kind.values()
+                 for n in ("out", "q", "k", "v"))
+    checked = Checked(correct(
+        f"on {' and '.join(map(str, sizes))} ranks, contiguous and balanced layouts{', causal' if causal else ''}: "
+        f"every rank's output and dq, dk, dv equal one-process attention (max abs diff {truth:.1g} < "
+        f"{TRUTH:g}) and torch's own ring attention (max abs diff {theirs:.1g} < {TORCH:g}); each rank's forward "
+        f"computed only the blocks it needs."), results, str(Path(path).resolve()))
+    if keep is not None:
+        keep["causal" if causal else "ring"] = checked
+    return checked
+
+
+def _merge_first(path: str | Path) -> str | None:
+    try:
+        problem = merge_problem(load_module(path).merge)
+    except Exception as error:
+        return f"importing {Path(path).name} failed: {type(error).__name__}: {error}"
+    return f"merge first (check_merge): {problem}" if problem else None
+
+
+# --------------------------------------------------------------------------------------------- exercise 4
+
+
+def moe_problem(per_rank: dict[int, dict]) -> str | None:
+    """The first thing wrong in one launch's results of one MoE file, or None."""
+    first = per_rank[min(per_rank)]
+    if "error" in first:
+        return f"the check ran into {first['error']}"
+    for factor in first:
+        for rank, graded in sorted(per_rank.items()):
+            got = graded[factor]
+            where = f"{len(per_rank)} ranks, capacity factor {factor}, rank {rank}"
+            problem = _moe_output_problem(got) or _moe_gradient_problem(got)
+            if problem:
+                return f"{where}: {problem}"
+    return None
+
+
+def _moe_output_problem(got: dict) -> str | None:
+    if got["shape"] != [got["tokens"], 8]:
+        return f"the layer returned {got['shape']}; it should return one row per token, [{got['tokens']}, 8]."
+    if got["kept"] is None:
+        return "the layer did not set self.kept to a bool tensor [tokens, 2] (which assignments it processed)."
+    kept, want = torch.tensor(got["kept"]), torch.tensor(got["want_kept"])
+    if not torch.equal(kept, want):
+        diff = torch.nonzero(kept != want).tolist()[:3]
+        limit = got["limit"]
+        if limit is None:
+            return (f"with no capacity factor every assignment is kept, but self.kept drops {int((~kept).sum())}: "
+                    f"the first at (token, choice) {diff}.")
+        return (f"the layer kept {int(kept.sum())} of the {kept.numel()} assignments, the reference keeps "
+                f"{int(want.sum())} (capacity {limit} per expert on each rank: every token's first choice before any "
+                f"second choice, earlier tokens first, counted on the sending rank before anything travels); they "
+                f"differ at (token, choice) {diff}.")
+    if got["out"] <= TRUTH:
+        return None
+    if "wrong expert" in got["matches"]:
+        return ("the output equals a layer whose rank sends expert e's tokens to rank e % N: expert e lives on rank "
+                "e // (experts per rank), and rows must arrive grouped by that rank's local expert.")
+    if "own experts only" in got["matches"]:
+        return ("the output equals a layer that runs only this rank's own experts: a token whose choice lives on "
+                "another rank must travel there (the all-to-all) and its result come back.")
+    if "unweighted" in got["matches"]:
+        return ("the output equals the experts' outputs added without the router's weights: multiply each by its "
+                "weight.")
+    return f"the output differs from the one-process layer by up to {got['out']:.2g} (more than {TRUTH:g})."
+
+
+def _moe_gradient_problem(got: dict) -> str | None:
+    if got.get("backward_error"):
+        return ("the output does not require grad: the tokens must reach the experts through an autograd-aware "
+                "all-to-all.")
+    for name, what in (("x", "the tokens"), ("router", "the router's weight (this rank's tokens' share)"),
+                       ("experts", "this rank's experts' weights")):
+        if got[name] > TRUTH:
+            return (f"the output is right but the gradient of {what} differs from the one-process layer's by up to "
+                    f"{got[name]:.2g}: a plain dist.all_to_all_single has no backward; use "
+                    "all_to_all_single_autograd, whose backward sends the gradients back the way the rows came.")
+    return None
+
+
+def check_moe(path: str | Path, keep: dict | None = None, timeout: float = 60,
+              sizes: tuple[int, ...] = SIZES) -> Checked:
+    """Exercise 4: the learner's ExpertParallelMoE on 2 and then 4 ranks, with and without a capacity factor."""
+    results = {}
+    for nproc in sizes:
+        print(f"Checking on {nproc} ranks...", flush=True)
+        run, failed = _launch("experts_check.py", nproc, ["--impl", str(Path(path).resolve())], timeout,
+                              f"the expert-parallel check of {Path(path).name}")
+        if failed and "expected size" in failed:  # gloo's size check, in an all-to-all with uneven splits
+            failed += (" In an uneven all-to-all, each rank must be told how many rows every peer sends it: exchange "
+                       "the counts first (dist.all_to_all_single of the counts), and pass them as output_split_sizes.")
+        if failed:
+            return Checked(not_yet(failed))
+        per_rank = {rank: got["graded"][str(Path(path).resolve())] for rank, got in run.results.items()}
+        problem = moe_problem(per_rank)
+        if problem:
+            return Checked(not_yet(problem), results)
+        results[nproc] = per_rank
+    worst = max(g[n] for r in results.values() for by_factor in r.values() for g in by_factor.values()
+                for n in ("out", "x", "router", "experts"))
+    dropped = {n: sum(sum(1 for row in g["1.0"]["kept"] for k in row if not k) for g in r.values())
+               for n, r in results.items()}
+    checked = Checked(correct(
+        f"on {' and '.join(map(str, sizes))} ranks every rank's output and the gradients of its tokens, the router "
+        f"and its experts equal the one-process layer (max abs diff {worst:.1g} < {TRUTH:g}); with capacity "
+        f"factor 1.0 the same assignments were dropped as in one process ("
+        + ", ".join(f"{d} on {n} ranks" for n, d in dropped.items()) + ")."), results, str(Path(path).resolve()))
+    if keep is not None:
+        keep["moe"] = checked
+    return checked
+
+
+# --------------------------------------------------------------------------------------------- for the tests
+
+
+def grade_many(kind: str, paths: list[str | Path], nproc: int, causal: bool = False,
+               timeout: float = 120) -> dict[str, str | None]:
+    """Grade several files in ONE launch (tests): {file: the Not yet sentence, or None when it passes}. Only files
+    whose ranks fail alike may share a launch (an exception on one rank alone leaves the others waiting)."""
+    worker = {"ring": "context_check.py", "moe": "experts_check.py"}[kind]
+    files = [str(Path(p).resolve()) for p in paths]
+    run = launch(WORKERS / worker, nproc=nproc, echo=False, timeout=timeout,
+                 args=["--impl", *files] + (["--causal"] if causal else []))
+    verdicts = {}
+    for file in files:
+        per_rank = {rank: got["graded"][file] for rank, got in run.results.items()}
+        verdicts[file] = ring_problem(per_rank, causal) if kind == "ring" else moe_problem(per_rank)
+    return verdicts
+
+
+# --------------------------------------------------------------------------------------------- pictures and tables
+
+RANK_COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:red")
+
+
+def ring_figure(world_size: int = 4) -> Any:
+    """Which rank's keys and values each rank holds at each step of the ring (a drawing of the design, not a run)."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(1.6 * world_size + 1.5, 0.55 * world_size + 1.1), dpi=80, layout="constrained")
+    for step in range(world_size):
+        for rank in range(world_size):
+            source = (rank - step) % world_size
+            ax.add_patch(plt.Rectangle((step, world_size - 1 - rank), 0.92, 0.85, color=RANK_COLOURS[source],
+                                       alpha=0.75))
+            ax.text(step + 0.46, world_size - 0.58 - rank, f"k, v of {source}", ha="center", va="center", fontsize=9)
+    ax.set(xlim=(-0.1, world_size), ylim=(-0.1, world_size), xticks=[s + 0.46 for s in range(world_size)],
+           xticklabels=[f"step {s}" for s in range(world_size)],
+           yticks=[world_size - 0.58 - r for r in range(world_size)],
+           yticklabels=[f"rank {r}" for r in range(world_size)],
+           title="ring attention: at step s each rank holds the keys and values of rank (rank - s) mod N,\n"
+                 "computes its queries against them, and passes them to rank + 1")
+    ax.tick_params(length=0)
+    for side in ax.spines.values():
+        side.set_visible(False)
+    return fig
+
+
+def blocks_figure(world_size: int = 4) -> Any:
+    """The causal score blocks, query chunk x key chunk in sequence order, coloured by the rank that computes them, for
+    both layouts (a drawing of the rule in helpers.kit.context_experts.block_pairs, not a run)."""
+    import matplotlib.pyplot as plt
+
+    from helpers.kit.context_experts import LAYOUTS, block_pairs
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 4.2), dpi=80, layout="constrained")
+    for ax, kind in zip(axes, LAYOUTS, strict=True):
+        chunk_layout = layout(kind, world_size)
+        n = sum(len(row) for row in chunk_layout)
+        for rank, mine in enumerate(chunk_layout):
+            for theirs in chunk_layout:
+                for i, j, diagonal in block_pairs(mine, theirs, causal=True):
+                    a, b = mine[i], theirs[j]
+                    ax.add_patch(plt.Rectangle((b, n - 1 - a), 1, 1, color=RANK_COLOURS[rank],
+                                               alpha=0.45 if diagonal else 0.9, lw=0))
+                    if diagonal:
+                        ax.plot([b, b + 1], [n - a, n - 1 - a], color="k", lw=0.6)
+        work = [sum(1 for theirs in chunk_layout for _ in block_pairs(mine, theirs, True)) for mine in chunk_layout]
+        ax.set(xlim=(0, n), ylim=(0, n), aspect="equal", xticks=range(n), yticks=range(n),
+               xlabel="key chunk (sequence order)", ylabel="query chunk",
+               title=f"{kind} ({n} chunks): score blocks per rank {work}")
+        ax.set_yticklabels([str(n - 1 - y) for y in range(n)])
+        ax.grid(True, lw=0.3)
+    fig.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in RANK_COLOURS[:world_size]],
+               labels=[f"rank {r}" for r in range(world_size)], loc="outside right upper", fontsize=9)
+    fig.suptitle("causal attention: blank blocks are skipped, half-shaded diagonal blocks are masked inside",
+                 fontsize=10)
+    return fig
+
+
+def work_table(checked: Checked | None) -> dict[int, dict[str, list[int]]]:
+    """Forward FLOPs per rank in the causal check run (FlopCounterMode), ours and torch's ring, for both layouts:
+    {world_size: {"contiguous": [...], "balanced": [...], "torch contiguous": [...], "torch balanced": [...]}}."""
+    if not checked:
+        print("(no results yet: the causal check has not passed)")
+        return {}
+    table = {}
+    for world_size, per_rank in sorted(checked.results.items()):
+        ranks = sorted(per_rank)
+        print(f"{world_size} ranks, forward FLOPs per rank (FlopCounterMode):")
+        for kind in per_rank[ranks[0]]:
+            ours = [per_rank[r][kind]["forward"]["flops"] for r in ranks]
+            theirs = [per_rank[r][kind]["torch_flops"] for r in ranks]
+            table.setdefault(world_size, {})[kind] = ours
+            table[world_size][f"torch {kind}"] = theirs
+            print(f"  {kind:<10} ours  {ours}  slowest / mean {max(ours) / (sum(ours) / len(ours)):.2f};  torch's ring "
+                  f"{theirs}  slowest / mean {max(theirs) / (sum(theirs) / len(theirs)):.2f}")
+    return table
+
+
+def balance_report(run: Any) -> dict[str, Any]:
+    """The timing run of context_balance.py: the step's wall time (slowest rank per round) for both layouts, and each
+    rank's own CPU time (the control: the work a rank did itself), with the verdicts."""
+    from helpers.kit.timing import Timing, across_ranks, verdict
+
+    per_rank = {rank: {name: Timing.from_dict(t) for name, t in got["timings"].items()}
+                for rank, got in sorted(run.results.items())}
+    step = across_ranks(got["timings"] for _, got in sorted(run.results.items()))
+    wall = verdict(step["contiguous"], step["balanced"])
+    print(f"One causal ring-attention step (forward + backward), {run.results[0]['seq']} tokens on "
+          f"{len(per_rank)} ranks; a round takes as long as its slowest rank:\n  {wall.sentence}")
+    print("Each rank's own CPU time per step (the work it did itself) and forward FLOPs:")
+    cpu = {}
+    for rank, timings in per_rank.items():
+        flops = run.results[rank]["flops"]
+        cpu[rank] = {name: t.median("cpu") for name, t in timings.items()}
+        print(f"  rank {rank}: contiguous {timings['contiguous'].summary('cpu')} ({flops['contiguous'] / 1e6:.0f} "
+              f"MFLOP), balanced {timings['balanced'].summary('cpu')} ({flops['balanced'] / 1e6:.0f} MFLOP)")
+    last = max(per_rank)
+    control = {}
+    for kind in ("contiguous", "balanced"):
+        first, other = (Timing(f"rank {r}", per_rank[r][kind].wall, per_rank[r][kind].cpu) for r in (0, last))
+        control[kind] = verdict(first, other, kind="cpu")
+    for kind, found in control.items():
+        print(f"  {kind}, rank 0 against rank {last}: {found.sentence}")
+    return {"wall": wall, "control": control, "cpu": cpu}
+
+
+def saved_by_attention(seqs: tuple[int, ...] = (256, 512, 1024, 2048), heads: int = 2,
+                       head_dim: int = 16) -> dict[str, list[int]]:
+    """Bytes autograd saves for backward from F.scaled_dot_product_attention over S tokens (fp32), in this process,
+    with torch's fused CPU kernel and with its math kernel (which keeps the S x S attention weights)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def saved(backend: Any, seq: int) -> int:
+        storages = {}
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        q, k, v = (torch.randn(1, heads, seq, head_dim, requires_grad=True) for _ in range(3))
+        with sdpa_kernel(backend), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return sum(storages.values())
+
+    return {"seq": list(seqs), "fused": [saved(SDPBackend.FLASH_ATTENTION, s) for s in seqs],
+            "math": [saved(SDPBackend.MATH, s) for s in seqs]}
+
+
+def saved_figure(saved: dict[str, list[int]]) -> Any:
+    """saved_by_attention's bytes against the sequence length, and what a rank of 2 or 4 holds (S / N tokens)."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.4), dpi=80, layout="constrained")
+    seqs = saved["seq"]
+    ax.plot(seqs, [b / 2**20 for b in saved["math"]], "o-", label="math kernel (keeps the S x S weights)")
+    ax.plot(seqs, [b / 2**20 for b in saved["fused"]], "s-", label="fused kernel (q, k, v, out, log-sum-exp)")
+    for n, marker in ((2, "v"), (4, "^")):
+        ax.plot(seqs[n // 2:], [b / 2**20 for b in saved["fused"][:len(seqs) - n // 2]], marker + "--",
+                label=f"fused, S / {n} tokens: one rank of {n}")
+    ax.set(xlabel="tokens in the sequence (S)", ylabel="MiB saved for backward", xscale="log", yscale="log",
+           title="one attention layer, 2 heads x 16, fp32: measured in this process")
+    ax.set_xticks(seqs, [str(s) for s in seqs])
+    ax.legend(fontsize=8)
+    return fig
+
+
+def memory_report(run: Any) -> list[dict[str, Any]]:
+    """context_memory.py on rank 0: peak tensor bytes and bytes sent by torch's ring attention with either rotation,
+    beside one process holding the whole sequence, and beside our planner's formula for the bytes."""
+    from helpers.lessons.scale import ring_attention_bytes
+
+    got = run.results[0]
+    world_size, hidden = len(run.results), got["heads"] * got["head_dim"]
+    print(f"torch's ring attention, forward + backward, no mask, fp32, rank 0 of {world_size} ('kv': the bytes of "
+          "its own keys and values):")
+    print(f"{'tokens':>7} {'kv':>7} | {'peak bytes: one process':>23} {'all-gather':>11} {'all-to-all':>11} "
+          f"{'difference':>17} | {'sent: all-gather':>16} {'all-to-all':>11} {'formula':>8}")
+    for row in got["rows"]:
+        gather, ring = row["torch allgather"], row["torch alltoall"]
+        formula = ring_attention_bytes(row["seq"], hidden, world_size, bytes_per_value=4)
+        extra = gather["peak"] - ring["peak"]
+        print(f"{row['seq']:>7} {row['kv_bytes']:>7} | {row['one process']['peak']:>23} {gather['peak']:>11} "
+              f"{ring['peak']:>11} {extra:>8} = {extra / row['kv_bytes']:.1f} kv | {gather['sent']:>16} "
+              f"{ring['sent']:>11} {formula:>8.0f}")
+    last = got["rows"][-1]
+    for method in ("allgather", "alltoall"):
+        print(f"CommDebugMode's count, {method}, {last['seq']} tokens: {last['torch ' + method]['debug_counts']}")
+    return got["rows"]
+
+
+def memory_figure(run: Any) -> Any:
+    """Peak tensor bytes per rank against the sequence length: one process, and a rank of torch's ring (both
+    rotations)."""
+    import matplotlib.pyplot as plt
+
+    rows = run.results[0]["rows"]
+    seqs = [row["seq"] for row in rows]
+    fig, ax = plt.subplots(figsize=(6.4, 3.4), dpi=80, layout="constrained")
+    ax.plot(seqs, [row["one process"]["peak"] / 2**20 for row in rows], "o-", label="one process, whole sequence")
+    for method, marker in (("allgather", "s-"), ("alltoall", "^-")):
+        ax.plot(seqs, [row[f"torch {method}"]["peak"] / 2**20 for row in rows], marker,
+                label=f"one rank of {len(run.results)}, torch's ring, {method}")
+    ax.set(xlabel="tokens in the sequence", ylabel="peak MiB in tensors", xscale="log", yscale="log",
+           title="attention forward + backward: peak tensor memory (MemTracker)")
+    ax.set_xticks(seqs, [str(s) for s in seqs])
+    ax.legend(fontsize=8)
+    return fig
+
+
+def moe_traffic(checked: Checked | None, world_size: int = 2) -> list[dict[str, Any]]:
+    """Every all-to-all of one forward and backward of the MoE check run (no capacity), per rank: the bytes handed to it
+    and the bytes that left the rank (from its split sizes), beside the rows the routing sent."""
+    if not checked:
+        print("(no results yet: the MoE check has not passed)")
+        return []
+    rows = []
+    print(f"{world_size} ranks, capacity factor None, all-to-alls in call order (bytes; 'left': to other ranks):")
+    for rank, graded in sorted(checked.results[world_size].items()):
+        got = graded["None"]
+        calls = [("forward", e) for e in got["forward"]] + [("backward", e) for e in got["backward"]]
+        parts = [f"{phase} {e['bytes']} B handed, {e['sent']} left (splits {e['splits']})" for phase, e in calls]
+        print(f"  rank {rank}: " + "\n          ".join(parts))
+        rows.append({"rank": rank, "calls": calls})
+    return rows
+
+
+def dispatch_figure(checked: Checked | None, world_size: int = 4) -> Any:
+    """Rows sent from each rank to each rank by the dispatch all-to-all and back by the combine, from the run's split
+    sizes (capacity factor None)."""
+    if not checked:
+        print("(no results yet: the MoE check has not passed)")
+        return None
+    import matplotlib.pyplot as plt
+
+    per_rank = checked.results[world_size]
+    token_calls = {rank: [e for e in got["None"]["forward"] if e["op"] == "all_to_all"][1:] for rank, got in
+                   per_rank.items()}  # the first all-to-all carries the counts
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.6), dpi=80, layout="constrained")
+    for ax, index, title in zip(axes, (0, 1), ("dispatch: token rows to the experts' ranks",
+                                                "combine: results back to the tokens' ranks"), strict=True):
+        matrix = [[token_calls[source][index]["splits"][dest] for dest in range(world_size)]
+                  for source in range(world_size)]
+        ax.imshow(matrix, cmap="Blues")
+        for source in range(world_size):
+            for dest in range(world_size):
+                ax.text(dest, source, matrix[source][dest], ha="center", va="center", fontsize=10)
+        ax.set(xlabel="to rank", ylabel="from rank", title=title, xticks=range(world_size), yticks=range(world_size))
+    fig.suptitle(f"{world_size} ranks, 16 tokens each, top-2 of 4 experts (one expert per rank): rows per pair, "
+                 "from the run's split sizes", fontsize=10)
+    return fig
+
+
+def aux_loss_history(alpha: float, steps: int = 100, seed: int = 0) -> list[list[float]]:
+    """Our toy run, in this process: a top-2 router over 4 experts that starts favouring expert 0 (1.5 added to its
+    row), trained with Adam to fit a fixed random target, loss = MSE + alpha x Switch's auxiliary loss. Returns, per
+    step, each expert's share of the assignments and the auxiliary loss."""
+    from helpers.kit.context_experts import build_moe, route, switch_aux_loss
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: one thread is fastest, and leaves the other core to the neighbours
+    try:
+        router, experts = build_moe()
+        with torch.no_grad():
+            router.weight[0] += 1.5
+        generator = torch.Generator().manual_seed(seed)
+        target = torch.nn.Linear(8, 8)
+        optimizer = torch.optim.Adam([*router.parameters(), *experts.parameters()], lr=0.02)
+        history = []
+        for _ in range(steps):
+            x = torch.randn(64, 8, generator=generator) + 1.0
+            with torch.no_grad():
+                wanted = torch.tanh(target(x))
+            chosen, weights, probabilities = route(x, router)
+            every = torch.stack([expert(x) for expert in experts], dim=1)  # all experts on every token: a toy
+            out = (weights.unsqueeze(-1) * every.gather(1, chosen.unsqueeze(-1).expand(-1, -1, 8))).sum(dim=1)
+            aux = switch_aux_loss(probabilities, chosen, len(experts))
+            loss = (out - wanted).pow(2).mean() + alpha * aux
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            shares = torch.bincount(chosen.reshape(-1), minlength=len(experts)) / chosen.numel()
+            history.append([*shares.tolist(), aux.item()])
+        return history
+    finally:
+        torch.set_num_threads(threads)
+
+
+def aux_figure(histories: dict[float, list[list[float]]]) -> Any:
+    """Each expert's share of the assignments per step, one panel per alpha."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(histories), figsize=(5 * len(histories), 3.2), dpi=80, layout="constrained",
+                             sharey=True)
+    for ax, (alpha, history) in zip(axes, histories.items(), strict=True):
+        for expert in range(len(history[0]) - 1):
+            ax.plot([row[expert] for row in history], color=RANK_COLOURS[expert], label=f"expert {expert}")
+        ax.axhline(1 / (len(history[0]) - 1), color="k", lw=0.6, ls="--")
+        ax.set(xlabel="step", title=f"alpha = {alpha:g}: aux loss {history[0][-1]:.2f} -> {history[-1][-1]:.2f}")
+    axes[0].set_ylabel("share of the assignments")
+    axes[-1].legend(fontsize=8)
+    return fig
+
+
+def closing_note(runs: dict, memory_rows: list[dict] | None = None) -> None:
+    """The lesson's measured results in a few lines, from the runs kept by the checks and the memory run."""
+    for key, what in (("ring", "ring attention"), ("causal", "causal ring attention")):
+        checked = runs.get(key)
+        if checked:
+            truth = max(g["vs_truth"][n] for r in checked.results.values() for by_kind in r.values()
+                        for g in by_kind.values() for n in ("out", "q", "k", "v"))
+            theirs = max(g["vs_torch"][n] for r in checked.results.values() for by_kind in r.values()
+                         for g in by_kind.values() for n in ("out", "q", "k", "v"))
+            print(f"{what}: from one process max abs diff {truth:.1g} < {TRUTH:g}, from torch's ring max abs diff "
+                  f"{theirs:.1g} < {TORCH:g} (2 and 4 ranks)")
+    if runs.get("causal"):
+        per_rank = runs["causal"].results[4]
+        for kind in ("contiguous", "balanced"):
+            blocks = [per_rank[r][kind]["forward"]["flops"] // per_rank[r][kind]["block_flops"]
+                      for r in sorted(per_rank)]
+            rows = per_rank[0][kind]["chunk_rows"]
+            print(f"causal, 4 ranks, {kind}: score blocks per rank {blocks} (a block: {rows} queries x {rows} keys)")
+    if memory_rows:
+        row = memory_rows[-1]
+        print(f"ring bytes sent per rank, {row['seq']} tokens on 4 ranks: all-gather {row['torch allgather']['sent']}, "
+              f"all-to-all {row['torch alltoall']['sent']}, formula (3N - 2) x kv = {10 * row['kv_bytes']}")
+    if runs.get("moe"):
+        moe = runs["moe"].results
+        worst = max(g[n] for r in moe.values() for by_factor in r.values() for g in by_factor.values()
+                    for n in ("out", "x", "router", "experts"))
+        dropped = {n: sum(sum(1 for row in g["1.0"]["kept"] for k in row if not k) for g in r.values())
+                   for n, r in moe.items()}
+        print(f"expert parallelism: from one process max abs diff {worst:.1g} < {TRUTH:g}; assignments dropped at "
+              "capacity factor "
+              f"1.0: {dropped[2]} on 2 ranks, {dropped[4]} on 4 ranks (the same as in one process)")

@@ -1,0 +1,225 @@
+"""Lesson 11 in one process: the private torch tools it simulates with (pinned), its byte and collective counts, the
+exercise, the planner."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from helpers.lessons.scale import (
+    STAGES,
+    check_tp_counts_without_sp,
+    collective_counts,
+    fsdp_collectives,
+    held_by_stage,
+    held_replicated,
+    order_probe_twin,
+    plan,
+    planner_figure,
+    predict_step_seconds,
+    simulated_world,
+    total,
+    tp_collectives,
+    wrapper_twin_errors,
+    zero_redundancy_held,
+)
+
+TORCH_CHANGED = "torch changed a private API lesson 11 relies on (checked against torch 2.14.1): "
+
+
+def solution(blocks):
+    return {"all_reduce": 6 * blocks + 2, "all_gather": 1}
+
+
+def test_pin_fake_backend_hands_out_a_world_and_moves_no_data():
+    try:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+    except ImportError as error:
+        pytest.fail(TORCH_CHANGED + f"torch.testing._internal.distributed.fake_pg.FakeStore is gone ({error})")
+    dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=512)
+    try:
+        ones = torch.ones(2)
+        dist.all_reduce(ones)
+        seen = (dist.get_rank(), dist.get_world_size(), dist.get_backend(), ones.tolist())
+    finally:
+        dist.destroy_process_group()
+    assert seen == (5, 512, "fake", [1.0, 1.0]), TORCH_CHANGED + f"the fake backend now behaves as {seen}"
+
+
+def test_pin_fake_tensor_mode_builds_models_without_memory():
+    try:
+        from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    except ImportError as error:
+        pytest.fail(TORCH_CHANGED + f"torch._subclasses.fake_tensor.FakeTensorMode is gone ({error})")
+    with FakeTensorMode():
+        weight = torch.nn.Linear(100_000, 100_000, bias=False).weight  # 40 GB if it were real
+    assert isinstance(weight, FakeTensor), TORCH_CHANGED + "FakeTensorMode no longer makes FakeTensors"
+    assert weight.untyped_storage().nbytes() == 4 * 10**10, TORCH_CHANGED + "fake storages no longer report their size"
+
+
+def test_pin_local_tensor_mode_holds_every_rank_and_sums_in_rank_order():
+    try:
+        from torch.distributed._local_tensor import LocalTensor, LocalTensorMode  # noqa: F401
+    except ImportError as error:
+        pytest.fail(TORCH_CHANGED + f"torch.distributed._local_tensor.LocalTensorMode is gone ({error})")
+    summed = order_probe_twin(4)
+    assert summed["all_reduce"] == [[1.0] * 4] * 4 and summed["reduce_scatter"] == [[1.0]] * 4, (
+        TORCH_CHANGED + f"LocalTensorMode no longer adds ranks in rank order ({summed}); lesson 11 section 4 "
+        "explains the twin's 4-rank differences by that order")
+
+
+def test_pin_comm_debug_mode_names_the_collectives_lesson_11_sorts():
+    try:
+        counts = collective_counts((2, 2), blocks=1)
+    except KeyError as error:
+        pytest.fail(TORCH_CHANGED + f"CommDebugMode reports a collective lesson 11 does not know: {error}")
+    assert counts == {"dp": fsdp_collectives(1), "tp": tp_collectives(1)}, TORCH_CHANGED + f"counts are now {counts}"
+
+
+def test_pin_data_parallel_wrappers_still_fail_under_local_tensor_mode():
+    errors = wrapper_twin_errors()
+    expected = {"DistributedDataParallel": "RuntimeError: The tensor has a non-zero number of elements, but its data "
+                                           "is not allocated yet.",
+                "ZeroRedundancyOptimizer": "AttributeError: 'LocalIntNode' object has no attribute 'int_'",
+                "fully_shard": "RuntimeError: Attempted to call resize_() on an invalid python storage."}
+    changed = {name: errors[name] for name in expected if errors[name] != expected[name]}
+    assert not changed, (TORCH_CHANGED + f"under LocalTensorMode these now give {changed}: where one runs, lesson 11 "
+                         "section 4 should twin it")
+
+
+def test_pin_fsdp2_pads_uneven_shards():
+    # 130 rows on 128 ranks: chunks of 2 rows, 65 of them; rank 127 owns nothing but still allocates a padded shard.
+    with simulated_world(128, rank=127):
+        last = held_by_stage(layers=1, width=64, hidden=130, world_size=128)["ZeRO-3"]
+    with simulated_world(128, rank=0):
+        first = held_by_stage(layers=1, width=64, hidden=130, world_size=128)["ZeRO-3"]
+    assert first["fp16 weights"] == last["fp16 weights"] == 2 * 64 * 2, TORCH_CHANGED + "FSDP2 no longer pads shards"
+    assert first["Adam state"] == 2 * 2 * 64 * 4 + 4 and last["Adam state"] == 4, (
+        TORCH_CHANGED + "Adam's state on an empty FSDP2 shard is no longer empty")
+
+
+def test_pin_zero_redundancy_optimizer_hands_out_whole_tensors():
+    # Five tensors on eight ranks, sizes 6, 5, 4, 3, 3: largest first, each whole to the rank with fewest elements.
+    shapes = [(2, 2), (3, 2), (5, 1), (1, 3), (3, 1)]
+    held = zero_redundancy_held(shapes, 8, range(8))
+    assert [held[rank]["params"] for rank in range(8)] == [6, 5, 4, 3, 3, 0, 0, 0], (
+        TORCH_CHANGED + "ZeroRedundancyOptimizer no longer assigns whole tensors, largest first")
+    assert all(h["moment elements"] == 2 * h["params"] for h in held.values())
+    assert not dist.is_initialized()
+
+
+def test_held_bytes_follow_the_stages_on_a_small_model():
+    layers, width, hidden, world_size = 2, 128, 192, 64
+    n_params = layers * width * hidden
+    with simulated_world(world_size, rank=3):
+        held = held_by_stage(layers, width, hidden, world_size)
+    steps = 4 * layers  # torch.optim.Adam's scalar step per parameter tensor
+    assert total(held["DP"]) == 16 * n_params + steps
+    assert total(held["ZeRO-1"]) == 4 * n_params + 12 * n_params // world_size + steps
+    assert total(held["ZeRO-2"]) == 2 * n_params + 14 * n_params // world_size + steps
+    assert total(held["ZeRO-3"]) == 16 * n_params // world_size + steps
+    assert total(held["DP"], fp32_gradients=True) - total(held["DP"]) == 4 * n_params
+    assert held_replicated(layers, width, hidden) == held["DP"]
+
+
+def test_simulated_world_refuses_to_nest():
+    with simulated_world(4), pytest.raises(RuntimeError, match="already exists"), simulated_world(8):
+        pass
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("wrong, message", [
+    (lambda blocks: {"all_reduce": 0, "all_gather": 0}, "your formula says {'all_reduce': 0, 'all_gather': 0}"),
+    (lambda blocks: {"all_reduce": 2 * blocks + 1, "all_gather": 1}, "torch ran"),   # forward only
+    (lambda blocks: {"all_reduce": 4 * blocks + 2, "all_gather": 1}, "torch ran"),   # one backward per Colwise pair
+    (lambda blocks: {"all_reduce": 6 * blocks + 2}, "torch ran"),                    # the logits' all-gather forgotten
+    (lambda blocks: tp_collectives(blocks), "torch ran"),                            # the sequence-parallel counts
+    (lambda blocks: {"all_reduce": 6 * blocks + 2, "all_gather": 1} if blocks < 3 else {}, "with 3 block(s)"),
+    (lambda blocks: 1 / 0, "raised ZeroDivisionError"),
+])
+
+
+def test_exercise_check_accepts_the_solution_and_rejects_wrong_counts(wrong, message, capsys):
+    assert check_tp_counts_without_sp(solution)
+    assert capsys.readouterr().out.startswith("Correct: ")
+    assert not check_tp_counts_without_sp(wrong)
+    out = capsys.readouterr().out
+    assert out.startswith("Not yet: ") and message in out, out
+
+
+def test_counts_do_not_depend_on_the_mesh_size():
+    assert collective_counts((4, 2), blocks=2) == collective_counts((2, 4), blocks=2) == {
+        "dp": fsdp_collectives(2), "tp": tp_collectives(2)}
+
+
+def test_planner_formulas_and_refusals():
+    from helpers.lessons.model_parallel import pipeline_schedule
+
+    memory = plan(7.5e9, 64, stage="ZeRO-1")["memory"]
+    assert sum(memory.values()) == pytest.approx(31.40625e9)
+    assert plan(8e9, 8, tp=2, pp=2, stage="DP")["memory"]["fp16 weights"] == 4e9  # Psi / (tp pp)
+    assert plan(1e9, 2, stage="ZeRO-3")["traffic"]["dp"] == pytest.approx(3 * 0.5 * 2e9)
+    assert plan(1e9, 2, stage="ZeRO-2")["traffic"]["dp"] == pytest.approx(2 * 0.5 * 2e9)
+    assert plan(1e9, 4, pp=4, microbatches=8)["bubble"] == pipeline_schedule(4, 8, "1f1b")["bubble"]
+    with pytest.raises(ValueError, match="stage"):
+        plan(1e9, 2, stage="ZeRO-4")
+    with pytest.raises(ValueError, match="at least 1"):
+        plan(1e9, 0)
+
+
+def test_planner_cp_and_ep_terms():
+    from helpers.lessons.scale import attention_saved_bytes, moe_all_to_all_bytes, ring_attention_bytes
+
+    base = plan(7.5e9, 64, tp=8, microbatches=8)
+    same = plan(7.5e9, 64, tp=8, microbatches=8, cp=1, ep=1)
+    assert same["memory"] == base["memory"] and same["traffic"] == base["traffic"]  # lesson 11's planner unchanged
+    assert base["traffic"]["cp"] == base["traffic"]["ep"] == 0.0
+    # ring attention: k and v of tokens / cp tokens travel cp - 1 times forward, cp - 1 backward, dk dv cp times
+    assert ring_attention_bytes(1024, 32, 4, bytes_per_value=4) == 10 * 2 * 256 * 32 * 4
+    assert ring_attention_bytes(1024, 32, 1) == 0.0
+    cp_sent = plan(1e9, 1, cp=4, blocks=3, tokens=1024, hidden=64)["traffic"]["cp"]
+    assert cp_sent == 3 * ring_attention_bytes(1024, 64, 4)
+    assert plan(1e9, 1, cp=4, tp=2, tokens=1024)["traffic"]["tp"] == pytest.approx(
+        plan(1e9, 1, tp=2, tokens=256)["traffic"]["tp"])  # cp divides each rank's activations
+    # experts: only the expert parameters are divided by ep; four all-to-alls per MoE block
+    assert plan(10e9, 1, ep=4, expert_params=8e9, stage="DP")["memory"]["fp16 weights"] == 2 * (2e9 + 2e9)
+    assert moe_all_to_all_bytes(16, 8, 2, bytes_per_value=4) == 16 * 2 * 8 * 4 / 2
+    assert plan(1e9, 2, ep=2, blocks=1, tokens=16, hidden=8)["traffic"]["ep"] == 4 * moe_all_to_all_bytes(16, 8, 2)
+    assert attention_saved_bytes(256, 32, 2, cp=4, bytes_per_value=4) == 64 * (4 * 32 * 4 + 2 * 4)
+    with pytest.raises(ValueError, match="at least 1"):
+        plan(1e9, 1, cp=0)
+    with pytest.raises(ValueError, match="expert_params"):
+        plan(1e9, 1, ep=2, expert_params=2e9)
+
+
+def test_planner_figure_draws_the_planner_numbers():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    ax = planner_figure(7.5, dp=64)
+    drawn = [sum(bar.get_height() for bar in bars) for bars in zip(*ax.containers, strict=True)]
+    assert drawn == pytest.approx([sum(plan(7.5e9, 64, stage=s)["memory"].values()) / 1e9 for s in STAGES])
+
+
+def test_step_time_prediction_adds_the_documented_parts():
+    rates = dict(n_params=1000, tensors=4, batch=10, flop_rate=6e4, adam_seconds={"full": 0.2, "half": 0.1},
+                 latency=0.01, bandwidth=4000.0, bucket_bytes=[2000, 2000])
+    assert predict_step_seconds("local", **rates) == {"compute": 1.0, "optimizer": 0.2, "communication": 0.0}
+    assert predict_step_seconds("ddp", **rates)["communication"] == pytest.approx(2 * (0.01 + 0.5))
+    zero1 = predict_step_seconds("zero1", **rates)
+    assert zero1["optimizer"] == 0.1 and zero1["communication"] == pytest.approx(1.02 + 4 * 0.005 + 1.0)
+    assert predict_step_seconds("fsdp", **rates)["communication"] == pytest.approx(3 * (2 * 0.005 + 0.5))
+    with pytest.raises(ValueError, match="mode"):
+        predict_step_seconds("zero2", **rates)
+
+
+def test_tp_step_counts_split_passes_from_the_optimizer_and_names_refuse_unknown_ops():
+    from helpers.lessons.scale import named_counts, tp_step_counts
+
+    counts = tp_step_counts(2)
+    # the twin's layout: section 3's TP all-gathers and reduce-scatters in the passes, the norm weights' partial
+    # gradients all-reduced three times each in AdamW's update; catches a count that moved between the two
+    assert counts == {"forward+backward": {"all_gather": 11, "reduce_scatter": 10}, "optimizer": {"all_reduce": 15}}
+    assert named_counts({"c10d_functional.all_reduce": 2, "c10d._allgather_base_": 1}) == {"all_gather": 1,
+                                                                                        "all_reduce": 2}
+    with pytest.raises(KeyError):
+        named_counts({"c10d_functional.all_to_all_single": 1})  # an op the table does not know: a torch change
