@@ -9,6 +9,7 @@ one rank (--spike-rank) is an overflow on all, every rank skips the same step, a
 equal without any extra communication. Works with one process too.
 """
 import argparse
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -78,6 +79,7 @@ def main() -> None:
         progress(step - first_step + 1, total=args.steps)
 
     if args.save and rank == 0:
+        Path(args.save).parent.mkdir(parents=True, exist_ok=True)
         torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
                     "scaler": scaler.state_dict(), "step": first_step + args.steps}, args.save)
     weights_checksum = sum(p.double().sum().item() for p in model.parameters())
