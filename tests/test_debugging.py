@@ -48,6 +48,16 @@ def test_mystery_nan_flag_names_every_rank_anomaly_names_the_planted_one_and_eps
     assert check_mystery(rank, step, fixed)
 
 
+def test_mystery_check_says_a_lower_learning_rate_is_no_fix(capsys):
+    # A learner who guesses the NaN is a step too large: sqrt(0)'s infinite slope does not care about the step size
+    from helpers.lessons.debugging import planted
+
+    rank, step = planted()
+    slower = launch(MYSTERY, nproc=2, args=["--lr", "0.01"], timeout=60, echo=False)
+    assert not check_mystery(rank, step, slower)
+    assert "final losses are not finite" in capsys.readouterr().out
+
+
 # ------------------------------------------------------------------ lesson 08's Flight Recorder and live-hang tools
 
 
@@ -84,3 +94,29 @@ def test_stacks_on_signal_prints_the_hung_rank_stack_to_its_log():
     log = job.to_run().logs[1]
     frames = main_thread_frames(log[log.index("Current thread"):], "debug_collectives.py")
     assert frames[0].startswith("all_reduce (") and frames[-1].startswith("<module> (debug_collectives.py")
+
+
+def test_watchdog_leaves_each_hung_ranks_stack_without_a_signal():
+    from helpers.lessons.debugging import watchdog_dumps
+
+    error = failure(COLLECTIVES, ["--bug", "skip-barrier", "--watchdog", 1, "--timeout", 4], timeout=60)
+    dumps = {rank: watchdog_dumps(error.run.logs[rank], "debug_collectives.py") for rank in (0, 1)}
+    assert dumps[0] and dumps[0][0][0].startswith("barrier (") and dumps[1][0][0].startswith("all_reduce (")
+    # re-armed every step: the steps before the hang (a few ms each) leave no dump
+    fine = launch(COLLECTIVES, nproc=2, args=["--bug", "none", "--watchdog", 1], timeout=60, echo=False)
+    assert not any(watchdog_dumps(log, "debug_collectives.py") for log in fine.logs.values())
+
+
+def test_network_check_gets_the_known_sum_on_every_rank_and_runs_alone():
+    checked = launch(WORKERS / "debug_network_check.py", nproc=2, args=["--megabytes", 1], timeout=60, echo=False)
+    assert all(checked.results[rank]["sum_ok"] and checked.results[rank]["busbw"] > 0 for rank in (0, 1))
+    alone = launch(WORKERS / "debug_network_check.py", nproc=1, args=["--megabytes", 1], timeout=60, echo=False)
+    assert alone.results[0]["sum_ok"]
+
+
+def test_detail_cost_wraps_only_the_group_created_under_detail():
+    # Our worker's design: the comparison means something only if exactly one of the two groups is checked
+    run = launch(WORKERS / "debug_detail_cost.py", nproc=2, args=["--calls", 2, "--rounds", 5], timeout=60,
+                 echo=False)
+    assert (run.results[0]["plain"], run.results[0]["wrapped"]) == ("ProcessGroupGloo", "_ProcessGroupWrapper")
+    assert all(len(run.results[0]["timings"][name]["wall"]) == 5 for name in ("plain", "DETAIL"))

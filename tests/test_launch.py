@@ -66,6 +66,8 @@ def test_failing_rank_is_named_with_its_traceback_and_nothing_is_left(processes,
     # the launcher's own frames (its bootstrap runs the script through runpy) are not the learner's traceback
     assert "helpers/launcher/" not in message and "runpy" not in message
     assert str(error.run.log_dir) in message
+    # the rank's own log holds its traceback too, forked or fresh (a forked worker's went only to torch's error file)
+    assert "ValueError: rank 1 broke on purpose" in error.run.logs[1]
     assert time.perf_counter() - started < 20
     processes.nothing_left(error.run.log_dir)
 

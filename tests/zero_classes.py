@@ -2,10 +2,12 @@
 mistake) and right ones built differently (each must pass, or hear why the exercise excludes its design).
 
 m01..m15 and c01..c09 are the wrong and right-but-different classes of the December mutation test
-(../shared/reviews/2026-12-06-lesson09.md, part 2), rebuilt from its descriptions; the others are earlier readers'
-(LL-, NEW-, NF-) and the lesson's own. Each class is a copy of helpers/workers/zero_solution.py with a few lines
-changed (`mutated`), or a subclass of the solution's class (`subclass`). WRONG and RIGHT map a name to
-(stage, source, the words its message must contain).
+(../shared/reviews/2026-12-06-lesson09.md, part 2), rebuilt from its descriptions; W1..W4 and x1..x3 are the fresh
+reader's of 6 December (lesson 09, findings 09-2 to 09-5); the others are earlier readers' (LL-, NEW-, NF-) and the
+lesson's own. Each class is a copy of helpers/workers/zero_solution.py with a few lines
+changed (`mutated`), or a subclass of the solution's class (`subclass`). WRONG and CRASHING map a name to (stage,
+source, the words its message must contain: one string, or a tuple of strings that must all be in it, where a
+measured difference sits between them); RIGHT to (stage, source).
 """
 from __future__ import annotations
 
@@ -59,6 +61,14 @@ STASH = (  # keeps the full gradients in a module-level global (neither .grad no
      "        for p in self.params:\n            self._all_gather(p)"),
 )
 SUMMED = "after step 0's backward the gradient shard of 0.weight is 2 times DDP's averaged gradient"
+AVG = RS_LINE.replace("))", "), op=dist.ReduceOp.AVG)")
+SHARD_VIEW = ("chunk(self.world_size)[self.rank].clone())", "chunk(self.world_size)[self.rank])")
+PADDED_COPY = ("model 'mlp': step 0, when backward ended: the shard of 2.weight is a view into a storage of 9216 "
+               "bytes, of which your class's tensors use 4608: the other 4608 bytes are a copy kept alive behind the "
+               "view. That storage is exactly 2.weight flattened and padded to 2 x 1152 values: padded_flat(p, N)"
+               ".chunk(N)[r] is a view of that whole padded copy")
+HELD = ("this check keeps the output of every async_op=True collective at NaN until your code waits for it (on a real "
+        "run that memory holds whatever it held before, or part of the result, depending on timing)")
 BUFFER = ("the class and the model held 17704 bytes in 6 tensor storage(s) that are none of the parameters, gradients, "
           "shards, shards' gradients or optimizer state (the largest, of shape ")
 NOT_ISSUED = ("unit 1's all-gather was not issued by the start of unit 0's forward. On a CPU backend this process "
@@ -417,6 +427,46 @@ class Zero2(Base):
         self.shards[p]._full_grad = p.grad.detach().clone()
         super()._gradient_ready(p)
 '''), "model 'mlp': step 0, when backward ended: " + BUFFER + "[48, 48], at "),
+    # the fresh reader's classes of 6 December (lesson 09's review, 09-3 to 09-5)
+    "W1 zero2: ReduceOp.AVG, then divided by N again (averaged twice)": (
+        "zero2", mutated((RS_LINE, AVG)),
+        "model 'mlp': after step 0's backward the gradient shard of 0.weight is 1/2 of DDP's averaged gradient: it was "
+        "divided by the world size twice (op=ReduceOp.AVG already divides the sum by it); divide once."),
+    "W2 zero1: the shard a view of padded_flat's whole copy (no .clone())": ("zero1", mutated(SHARD_VIEW), PADDED_COPY),
+    "W2b zero2: the shard a view of padded_flat's whole copy (no .clone())": ("zero2", mutated(SHARD_VIEW),
+                                                                              PADDED_COPY),
+    "W3 zero3: each gather buffer copied into its parameter as soon as issued, waited for later": (
+        "zero3", mutated(("                self.gathering[i].append((p, full, work))",
+                          "                alloc_storage(p)\n"
+                          "                p.data.copy_(full[: p.numel()].view_as(p))  # copied as soon as issued\n"
+                          "                self.gathering[i].append((p, full, work))"),
+                         ("            work.wait()\n            alloc_storage(p)\n"
+                          "            p.data.copy_(full[: p.numel()].view_as(p))", "            work.wait()")),
+        "model 'mlp': step 0: unit 0 started its forward with 0.weight, 0.bias holding NaN, though every shard was "
+        "right: " + HELD + ", so your class copied a gathered buffer into the parameter before waiting for its "
+        "all-gather."),
+    "x1 zero1: all-gathers before the optimizer step": (
+        "zero1", mutated(("            self._reduce_scatter(p)\n        self.optimizer.step()\n"
+                          "        for p in self.params:\n            self._all_gather(p)\n",
+                          "            self._reduce_scatter(p)\n        for p in self.params:\n"
+                          "            self._all_gather(p)\n        self.optimizer.step()\n")),
+        ("model 'mlp': after step 0 the parameters differ from torch's DDP by up to ",
+         ", though the shards equal DDP's updated values: 0.weight still holds its values from before this step's "
+         "update: all-gather the shards after self.optimizer.step() has updated them")),
+    "x2 zero1: unpads the gathered buffer from its end (09-4)": (
+        "zero1", mutated(("p.data.copy_(full[: p.numel()].view_as(p))  # .data",
+                          "p.data.copy_(full[full.numel() - p.numel():].view_as(p))  # .data")),
+        ("model 'odd': after step 0 the parameters differ from torch's DDP by up to ",
+         ", though the shards equal DDP's updated values: 0.weight holds values [1, 36) of DDP's updated 0.weight "
+         "gathered and padded to 36 values, where the parameter is the first 35, [0, 35): the padding sits at the end "
+         "of the gathered buffer, so copy its first p.numel() values (full[:p.numel()]).")),
+    "x3 bucketed: the averages copied before the all-reduce is waited for": (
+        "bucketed", mutated(("            work.wait()\n            averages", "            averages"),
+                            ("                q.grad.copy_(average.view_as(q))\n",
+                             "                q.grad.copy_(average.view_as(q))\n            work.wait()\n")),
+        "model 'mlp': after step 0's backward the gradient of 0.weight holds NaN: " + HELD + ", so NaN here means a "
+        "buffer was read before its wait(): in finish_gradient_synchronization, wait() for a bucket's all-reduce "
+        "before you divide and copy it."),
 }
 
 RIGHT = {
@@ -508,6 +558,34 @@ class Zero3(Base):
 }
 
 CRASHING = {  # each crashes its launch, so each runs alone
+    "W4 zero1: the all-gather's output unpadded, p.numel() values (09-2)": (
+        "zero1", mutated(("        full = torch.empty(self.world_size * self.shards[p].numel(), dtype=p.dtype, "
+                          "device=p.device)\n        dist.all_gather_single(full, self.shards[p].detach())\n",
+                          "        full = torch.empty(p.numel(), dtype=p.dtype, device=p.device)\n"
+                          "        dist.all_gather_single(full, self.shards[p].detach())\n")),
+        "(in _all_gather): RuntimeError: ProcessGroupGloo::allgather: invalid tensor size at index 1 (expected (18), "
+        "got (17)). What it means: gloo checks that a reduce-scatter's input holds exactly world_size times its "
+        "output's values (an all-gather's output world_size times its input's); a parameter whose size does not divide "
+        "by the world size must be padded with zeros first (padded_flat)"),
+    "zero3: gathers and copies at once, prefetch included, so the tied weight is freed (the reader's W3 on tied)": (
+        "zero3", subclass("zero3", '''
+class Zero3(Base):
+    def _start_gather(self, i):  # gathers and copies at once; a unit already gathered is skipped
+        if 0 <= i < len(self.units) and i not in self.gathering:
+            self.gathering[i] = []
+            for p in self.units[i].parameters():
+                full = torch.empty(self.world_size * self.shards[p].numel())
+                dist.all_gather_single(full, self.shards[p].detach())
+                alloc_storage(p)
+                p.data.copy_(full[: p.numel()].view_as(p))
+
+    def _gather(self, i, prefetch):
+        self._start_gather(i)
+        self._start_gather(prefetch)
+        self.gathering.pop(i)
+'''), ": the check stopped your class: model 'tied', step 0: unit 1's forward was about to run "
+          "with a.weight freed (0 bytes of storage) (a.weight is also unit 0's: one tied weight, so freeing unit 0 "
+          "freed it): when your class's forward pre-hook for unit 1 returned, that parameter had no memory"),
     "m05a zero1: shards by torch.chunk, no padding (35 values: 18 and 17)": (
         "zero1", mutated(("padded_flat(p, self.world_size).chunk(self.world_size)[self.rank].clone()",
                           "p.detach().reshape(-1).chunk(self.world_size)[self.rank].clone()"),

@@ -16,8 +16,12 @@ and a log of the collectives a process issues.
   the full, unsharded tensor, async_op, given by keyword or position) in order, then call torch's function.
   `_coalescing_manager` is a context manager, not a collective: the calls made inside it are recorded one by
   one. An `async_op=True` call hands back its work wrapped (a subclass of torch's `Work`), so that the log also
-  records when it was first waited for (`wait()`, or `get_future()`). A call counts only if it goes through
-  `torch.distributed.<name>`:
+  records when it was first waited for (`wait()`, or `get_future()`). With `hold_outputs` set (lesson 09's check
+  sets it while it trains the learner's class, never for torch's own runs), such a call's output tensor holds NaN
+  from the moment the call returns until the work is first waited for: the collective writes into a copy, which
+  `wait()` copies in. A class that reads an output before its wait() then reads NaN on every run, where on a real
+  run it reads whatever that memory held, or part of the result, depending on timing. A call counts only if it goes
+  through `torch.distributed.<name>`:
   that is how the learner's classes, `ZeroRedundancyOptimizer` (dist.broadcast), DDP's constructor
   (dist._broadcast_coalesced, torch/distributed/utils.py:339), DDP's default comm hook (dist.all_reduce) and FSDP2
   (dist.all_gather_single, dist.reduce_scatter_single) call them in torch 2.14. Not seen: a method called on a
@@ -26,6 +30,9 @@ and a log of the collectives a process issues.
 - `reachable_tensors` / `other_tensors`: the tensors an object holds, found through its attributes, containers,
   tensors' own attributes, functions' closures and the class attributes of the learner's classes, each with the
   path that reaches it (what lesson 09's check counts as memory a class keeps on the side).
+- `hidden_storage`: the storages behind the class's own tensors (a shard, its gradient, optimizer state) that hold
+  more than those tensors use: a shard that is a view of a whole padded copy keeps that copy alive, and
+  `other_tensors` skips every storage a known tensor uses.
 Imports only torch: workers and the notebook both use it.
 """
 from __future__ import annotations
@@ -51,6 +58,11 @@ _FULL_TENSOR = {
     "all_gather": (0, "tensor_list"), "reduce_scatter": (1, "input_list"),
     "_all_gather_base": (0, "output_tensor"), "_reduce_scatter_base": (1, "input"),
 }
+# operation -> the argument an async call writes its result into: what hold_outputs keeps at NaN until the wait
+_OUTPUT = {"all_reduce": "tensor", "all_gather_single": "output_tensor", "all_gather_into_tensor": "output_tensor",
+           "_all_gather_base": "output_tensor", "reduce_scatter_single": "output", "reduce_scatter_tensor": "output",
+           "_reduce_scatter_base": "output"}
+_HELD: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (log, call) -> (output, the copy written)
 # private aliases, recorded under the public name they call (torch/distributed/distributed_c10d.py)
 _ALIASES = {"_all_gather_base": "all_gather_single", "_reduce_scatter_base": "reduce_scatter_single"}
 # the rest of torch.distributed's collectives and point-to-point calls: bytes of the first tensor (or list of them)
@@ -116,7 +128,8 @@ def is_call(event: dict) -> bool:
 
 
 class _LoggedWork(dist.Work):
-    """torch's Work of an async_op=True call, with the first wait() (or get_future()) recorded in the log."""
+    """torch's Work of an async_op=True call, with the first wait() (or get_future()) recorded in the log; with
+    hold_outputs, the result is copied into the call's output once the work is waited for."""
 
     def __init__(self, work: dist.Work, log: CommLog, call: int) -> None:
         super().__init__()
@@ -127,13 +140,23 @@ class _LoggedWork(dist.Work):
             self.waited = True
             self.log.events.append({"op": "wait", "id": self.call})
 
+    def _deliver(self) -> None:
+        held = _HELD.pop((id(self.log), self.call), None)
+        if held is not None:
+            with torch.no_grad():
+                held[0].copy_(held[1])
+
     def wait(self, timeout=None) -> bool:
         self._note()
-        return self.work.wait() if timeout is None else self.work.wait(timeout)
+        done = self.work.wait() if timeout is None else self.work.wait(timeout)
+        self._deliver()
+        return done
 
     def get_future(self):
         self._note()
-        return self.work.get_future()
+        if (id(self.log), self.call) not in _HELD:
+            return self.work.get_future()
+        return self.work.get_future().then(lambda future: (self._deliver(), future.value())[1])
 
     def is_completed(self) -> bool:
         return self.work.is_completed()
@@ -159,6 +182,7 @@ class CommLog:
         self.events: list[dict] = []
         self._originals: dict = {}
         self._calls = 0
+        self.hold_outputs = False  # True: an async call's output holds NaN until its work is waited for
 
     def install(self) -> CommLog:
         for name in LOGGED:
@@ -171,6 +195,8 @@ class CommLog:
         for name, original in self._originals.items():
             setattr(dist, name, original)
         self._originals.clear()
+        for key in [key for key in _HELD if key[0] == id(self)]:
+            del _HELD[key]
 
     def _wrap(self, name, original, position, keyword):
         try:
@@ -191,11 +217,31 @@ class CommLog:
                 full = kwargs[keyword] if keyword in kwargs else args[position]
             self._calls += 1
             call = self._calls
-            self.events.append({"op": _ALIASES.get(name, name), "bytes": _nbytes(full),
-                                "async": is_async(args, kwargs), "id": call})
+            asynchronous = is_async(args, kwargs)
+            self.events.append({"op": _ALIASES.get(name, name), "bytes": _nbytes(full), "async": asynchronous,
+                                "id": call})
+            if self.hold_outputs and asynchronous and name in _OUTPUT and signature is not None:
+                args, kwargs = self._hold(call, signature, _OUTPUT[name], args, kwargs)
             work = original(*args, **kwargs)
             return _LoggedWork(work, self, call) if isinstance(work, dist.Work) else work
         return recorded
+
+    def _hold(self, call: int, signature: inspect.Signature, output: str, args, kwargs):
+        """The arguments with the output replaced by a copy (the collective writes there), the output set to NaN.
+        Not done when another argument shares the output's memory (an in-place all-gather reads its input there)."""
+        bound = signature.bind(*args, **kwargs)
+        out = bound.arguments.get(output)
+        if not isinstance(out, torch.Tensor) or not out.is_floating_point() or any(
+                isinstance(value, torch.Tensor) and value is not out
+                and value.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
+                for value in bound.arguments.values()):
+            return args, kwargs
+        copy = out.detach().clone()
+        bound.arguments[output] = copy
+        with torch.no_grad():
+            out.fill_(float("nan"))
+        _HELD[(id(self), call)] = (out, copy)
+        return bound.args, bound.kwargs
 
     def mark(self, label: str, **facts) -> None:
         """Put a marker (e.g. "forward end 2") between the recorded calls, with any facts about that moment."""
@@ -298,6 +344,34 @@ def other_tensors(known: Iterable[torch.Tensor], **roots) -> dict:
     largest = max(other.values(), key=lambda found: found[0], default=(0, (), ""))
     return {"tensors": len(other), "bytes": sum(size for size, _, _ in other.values()), "largest": list(largest[1]),
             "where": largest[2]}
+
+
+def hidden_storage(named: Iterable[tuple[str, torch.Tensor | None]], world_size: int) -> dict | None:
+    """The storage behind the named tensors (lesson 09: a class's shards, their gradients, optimizer state) that
+    holds the most bytes none of them uses, when that is more than padding explains ((world_size - 1) values per
+    tensor that uses it): {"what": the name of the largest tensor using it, "bytes": the storage's bytes, "used": the
+    bytes the named tensors use of it}. None when there is none. `other_tensors` skips a storage a known tensor uses,
+    so a shard that is a view of a whole padded copy (`padded_flat(p, N).chunk(N)[r]` without `.clone()`) would hide
+    the rest of that copy; this finds it."""
+    spans: dict[int, list] = {}
+    for name, tensor in named:
+        if tensor is None or not tensor.numel():
+            continue
+        size, start = tensor.element_size(), tensor.storage_offset()
+        end = start + 1 + sum((n - 1) * abs(stride) for n, stride in zip(tensor.shape, tensor.stride(), strict=True))
+        entry = spans.setdefault(storage_key(tensor), [tensor.untyped_storage().size(), [], []])
+        entry[1].append((start * size, end * size))
+        entry[2].append((tensor.numel() * size, name, size))
+    worst = None
+    for total, intervals, tensors in spans.values():
+        used, reach = 0, 0
+        for start, end in sorted(intervals):  # the bytes covered by the union of the tensors' spans
+            used += max(0, end - max(start, reach))
+            reach = max(reach, end)
+        slack = (world_size - 1) * max(size for _, _, size in tensors) * len(tensors)
+        if total - used > slack and (worst is None or total - used > worst["bytes"] - worst["used"]):
+            worst = {"what": max(tensors)[1], "bytes": total, "used": used}
+    return worst
 
 
 class TiedPair(nn.Module):

@@ -101,6 +101,9 @@ def run_script(script: str, *args: str, forked: bool = False) -> None:
     except BaseException:
         if run_dir:
             _record_failure(run_dir, me, traceback.format_exc())
+        if forked:  # a fresh interpreter prints the traceback as it exits; a forked worker's ends in torch's error
+            traceback.print_exc()  # file, so print it: the rank's log then holds it, as a terminal would show it
+            sys.stderr.flush()
         raise
 
 

@@ -82,11 +82,18 @@ def meaning_of(text: str) -> str | None:
 
 def learner_frame(frames: list[Frame], library_dirs: tuple[str, ...] = ()) -> str | None:
     """The innermost frame that is the learner's (not Python's, torch's, or the course's launcher or kit), as
-    'file.py:line (in function)'; frames are innermost first."""
-    for file, line, func in frames:
-        if not _is_library(file, library_dirs):
-            return f"{os.path.basename(file)}:{line} (in {func})"
-    return None
+    'file.py:line (in function)'; frames are innermost first. When the learner's code in another file called it (a
+    Zero2 calling its Zero1 parent's helper), that call is added: '..., called from other.py:31 (in step)'. The
+    course's own workers (helpers/workers/, which run the learner's classes) are not named as callers."""
+    mine = [(file, line, func) for file, line, func in frames if not _is_library(file, library_dirs)]
+    if not mine:
+        return None
+    file, line, func = mine[0]
+    place = f"{os.path.basename(file)}:{line} (in {func})"
+    caller = next((frame for frame in mine[1:] if frame[0] != file), None)
+    if caller and "/helpers/" not in caller[0].replace("\\", "/"):
+        place += f", called from {os.path.basename(caller[0])}:{caller[1]} (in {caller[2]})"
+    return place
 
 
 def crash_site(traceback_text: str | None, log_text: str, library_dirs: tuple[str, ...] = ()) -> tuple[

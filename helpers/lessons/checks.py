@@ -35,7 +35,7 @@ def explain_crash(error: BaseException, what: str = "the check") -> str:
     file:line, what a C++ check from a collective means, and the run folder to open. For a hang (LaunchTimeout):
     where each rank was waiting."""
     run = getattr(error, "run", None)
-    folder = f" Everything each rank printed is in {run.log_dir}/ (rank<N>.log)." if run is not None else ""
+    folder = (f" Each rank's output and traceback are in {run.log_dir}/rank<N>.log." if run is not None else "")
     where_by_rank = getattr(error, "where", None)
     if isinstance(where_by_rank, dict):  # a timeout or an interrupt: no rank failed, each one waited somewhere
         return f"{what} did not finish; where each rank was:{each_rank(where_by_rank)}.{folder}"

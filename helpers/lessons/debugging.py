@@ -9,6 +9,7 @@ The cross-rank checks that workers call (diverged_tensors, nonfinite_ranks) are 
     wait_until_step(job, step)                 # a started job whose every rank has reported `step`
     worker_pids(job)                           # rank -> pid of a started job's live workers
     main_thread_frames(dump, script)           # a py-spy or faulthandler dump, main thread, down to `script`
+    watchdog_dumps(log, script)                # the stacks faulthandler.dump_traceback_later left in a rank's log
     torchrun_summary(output)                   # torchrun's ChildFailedError summary, times/hosts/pids masked
 """
 from __future__ import annotations
@@ -168,6 +169,30 @@ def main_thread_frames(dump: str, script: str) -> list[str]:
         if function == "<module>" and Path(file).name == Path(script).name:
             break
     return frames
+
+
+def watchdog_dumps(log: str, script: str) -> list[list[str]]:
+    """The stacks `faulthandler.dump_traceback_later` wrote into a rank's log, one per dump: each the frames, innermost
+    first ("function (file:line)"), of the thread that runs `script` (a watchdog dump names no thread "Current
+    thread": it is written from faulthandler's own thread), down to `script`'s top level."""
+    dumps = []
+    for dump in log.split("Timeout (")[1:]:
+        frames: list[str] = []
+        for line in dump.splitlines()[1:]:
+            if line.startswith("Thread "):
+                frames = []  # a new thread's stack begins
+                continue
+            fault = _FAULTHANDLER_FRAME.match(line)
+            if not fault:
+                if line.strip() and not line.startswith(" "):
+                    break  # a line that is not part of the dump: it has ended
+                continue
+            file, number, function = fault.groups()
+            frames.append(f"{function} ({Path(file).name}:{number})")
+            if function == "<module>" and Path(file).name == Path(script).name:
+                dumps.append(frames)
+                break
+    return dumps
 
 
 def torchrun_summary(output: str) -> str:

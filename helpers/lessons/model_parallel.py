@@ -12,8 +12,10 @@ Taught in notebooks/07_model_parallel.ipynb.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+from helpers.kit.timing import Timing
 
 # What one rank keeps per parameter, in bytes, for each precision (the optimizer's own state comes on top). fp32 and
 # autocast are the same here: autocast (torch.amp) keeps fp32 weights and gradients. Its 16-bit weight casts are not
@@ -160,6 +162,41 @@ def idle_fraction(events: Sequence[dict[str, Any]]) -> float:
     return 1 - busy / (span * len(ranks))
 
 
+def pipeline_step_prediction(step_at_one: float, microbatches: int, stages: int = 2) -> float:
+    """The bubble formula's step time at m micro-batches from the step at m = 1, for equal stages and nothing but
+    compute: (m + p - 1) slots of 1/m of a stage's whole-batch time, against p of them at m = 1."""
+    return step_at_one * (microbatches + stages - 1) / (microbatches * stages)
+
+
+def speed_figure(timings: Mapping[str, Timing], prefix: str = "wide m=", control: str = "wide m=4, one core") -> Any:
+    """Step time against micro-batches from a pipeline speed run: each setting's median wall time with a bar from
+    its lowest to its highest round, the formula's prediction from the m = 1 median, and the one-core control."""
+    import matplotlib.pyplot as plt
+
+    from helpers.lessons.plots import plain_log_ticks
+
+    counts = sorted(int(name[len(prefix):]) for name in timings if name.startswith(prefix) and "," not in name)
+    medians = [timings[f"{prefix}{m}"].median() * 1e3 for m in counts]
+    spreads = [[medians[i] - timings[f"{prefix}{m}"].spread()[0] * 1e3 for i, m in enumerate(counts)],
+               [timings[f"{prefix}{m}"].spread()[1] * 1e3 - medians[i] for i, m in enumerate(counts)]]
+    _, ax = plt.subplots(figsize=(6.4, 3.6), dpi=80, layout="constrained")
+    ax.errorbar(counts, medians, yerr=spreads, marker="o", capsize=4, label="measured (median, lowest-highest)")
+    ax.plot(counts, [pipeline_step_prediction(medians[0], m) for m in counts], linestyle="--",
+            label="formula, from the m = 1 step")
+    if control in timings:
+        low, high = (value * 1e3 for value in timings[control].spread())
+        middle = timings[control].median() * 1e3
+        at = int(control[len(prefix):].split(",")[0])
+        ax.errorbar([at], [middle], yerr=[[middle - low], [high - middle]], marker="s", capsize=4, color="tab:red",
+                    linestyle="none", label=f"m = {at}, both ranks on one core")
+    ax.set(xscale="log", xlabel="micro-batches m", ylabel="step time, ms (wall)", ylim=(0, None),
+           title="GPipe, 2 stages of real compute: step time")
+    plain_log_ticks(ax, counts)
+    ax.legend(fontsize="small")
+    ax.grid(alpha=0.3)
+    return ax
+
+
 def _torch_1f1b_list(stages: int, microbatches: int, stage: int) -> list[str]:
     """The forwards and backwards torch's Schedule1F1B lists in its `pipeline_order` for `stage`, as listed."""
     from types import SimpleNamespace
@@ -202,6 +239,21 @@ def ran_orders(timelines: Sequence[dict[str, list[dict[str, Any]]]], schedule: s
     return orders
 
 
+def _your_line(function: Any, error: BaseException) -> str:
+    """' (line N of stage_order: `text`)' for the deepest frame of the traceback inside `function`'s own code."""
+    import linecache
+    import traceback
+
+    code = getattr(function, "__code__", None)
+    frames = [frame for frame in traceback.extract_tb(error.__traceback__)
+              if code is not None and frame.filename == code.co_filename and frame.lineno is not None]
+    if not frames:
+        return ""
+    frame = frames[-1]
+    text = (frame.line or linecache.getline(frame.filename, frame.lineno)).strip()
+    return f" (line {frame.lineno - code.co_firstlineno + 1} of {function.__name__}: `{text}`)"
+
+
 def check_stage_order(stage_order: Any, ran: dict[tuple[int, int, int], list[str]]) -> bool:
     """Exercise check: does stage_order(stage, stages, microbatches) give the order 1F1B runs on that stage?
 
@@ -218,8 +270,9 @@ def check_stage_order(stage_order: Any, ran: dict[tuple[int, int, int], list[str
         where = f"stage {stage} of {stages}, {microbatches} micro-batches"
         try:
             got = stage_order(stage, stages, microbatches)
-        except Exception as error:  # the learner's code: say what it raised
-            return not_yet(f"{where}: stage_order raised {type(error).__name__}: {error}")
+        except Exception as error:  # the learner's code: say what it raised, and on which of its lines
+            return not_yet(f"{where}: stage_order raised {type(error).__name__}: {error}"
+                           f"{_your_line(stage_order, error)}")
         if not isinstance(got, list) or not all(isinstance(action, str) for action in got):
             return not_yet(f"{where}: return a list of strings like ['F0', 'F1', 'B0', ...], not {got!r}.")
         wanted = [f"F{i}" for i in range(microbatches)] + [f"B{i}" for i in range(microbatches)]

@@ -6,14 +6,16 @@
 
 check_step launches helpers/workers/zero_check.py on 2 ranks, and `judge` decides from what every rank handed back,
 in this order: what the constructor issued; the shards' layout; the plan of collectives (which ones, how many calls
-and bytes, when each was issued and when waited for); the bytes held and any other tensor kept; and only then the
-numbers (gradients, shards and parameters after every step against torch's DDP in the same run). A wrong class
-so hears first about its structure, which names the mistake, rather than "the parameters differ by 0.06". Every
-number it compares with comes from a formula in this file or from torch's DDP in the same run; every measured
-number comes from the run.
+and bytes, when each was issued and when waited for); the bytes held, a copy kept alive behind a view, and any other
+tensor kept; and only then the numbers (gradients, shards and parameters after every step against torch's DDP in the
+same run). A wrong class so hears first about its structure, which names the mistake, rather than "the parameters
+differ by 0.06"; a wrong number is read for what it says (2 or 1/N times DDP's, NaN from an output read before its
+wait(), values from before the step or from the wrong end of the gathered buffer). Every number it compares with
+comes from a formula in this file or from torch's DDP in the same run; every measured number comes from the run.
 """
 from __future__ import annotations
 
+import math
 import re
 import sys
 from pathlib import Path
@@ -286,9 +288,36 @@ def _prefetch_problem(events: list[dict], units: list[list[int]], world_size: in
     return None
 
 
+def _hidden_problem(model: dict, world_size: int) -> str | None:
+    """A storage behind the class's own tensors that holds more than they use (helpers.kit.zero.hidden_storage)."""
+    numels = dict(zip(model["names"], model["numels"], strict=True))
+    for step, (backward, after) in enumerate(zip(model["impl"]["other"][::2], model["impl"]["other"][1::2],
+                                                 strict=True)):
+        for other in (backward, after):
+            hidden = other.get("hidden")
+            if not hidden:
+                continue
+            text = (f"step {step}, {other['when']}: {hidden['what']} is a view into a storage of {hidden['bytes']} "
+                    f"bytes, of which your class's tensors use {hidden['used']}: the other "
+                    f"{hidden['bytes'] - hidden['used']} bytes are a copy kept alive behind the view.")
+            name = hidden["what"].rsplit(" of ", 1)[-1]
+            if name in numels and hidden["bytes"] == 4 * shard_size(numels[name], world_size) * world_size:
+                text += (f" That storage is exactly {name} flattened and padded to {world_size} x "
+                         f"{shard_size(numels[name], world_size)} values: padded_flat(p, N).chunk(N)[r] is a view of "
+                         "that whole padded copy, and a shard kept as the view keeps the copy; keep a .clone() of the "
+                         "chunk instead.")
+            else:
+                text += " Keep a .clone() of the part you need, so that the rest is freed."
+            return text
+    return None
+
+
 def _memory_problem(stage: str, model: dict, rank: int, world_size: int, cap_mb: float) -> str | None:
     if stage == "bucketed":
         return None
+    hidden = _hidden_problem(model, world_size)  # catches a shard that is a view of a whole padded copy
+    if hidden:
+        return hidden
     want, impl = expected(model["numels"], world_size), model["impl"]
     held = {"Adam state": (impl["state_bytes"][-1], want["adam_shard_bytes"], "8 bytes x shard")}
     if stage in ("zero2", "zero3"):  # catches a Zero2 that keeps the full gradients too
@@ -318,12 +347,38 @@ def _right(got: dict) -> bool:
     return got["diff"] is not None and got["diff"] <= TOLERANCE * max(1.0, got["scale"])
 
 
+HELD = ("this check keeps the output of every async_op=True collective at NaN until your code waits for it (on a real "
+        "run that memory holds whatever it held before, or part of the result, depending on timing)")
+
+
+def _scaled(got: dict, factor: float) -> bool:
+    """The tensor is DDP's times `factor` (within the tolerance), not just correlated with it."""
+    return (got["ratio"] is not None and abs(got["ratio"] - factor) < 1e-3
+            and got.get("fit", 0.0) <= TOLERANCE * max(1.0, got["scale"]))
+
+
+def _nan_message(stage: str, what: str, step: int, asynchronous: bool) -> str:
+    if not asynchronous:
+        return (f"after step {step}'s backward {what} holds NaN, and none of this step's collectives was async: the "
+                "NaN comes from your own arithmetic, or from memory read before anything was written into it (a "
+                "torch.empty buffer).")
+    fix = ("in finish_gradient_synchronization, wait() for a bucket's all-reduce before you divide and copy it"
+           if stage == "bucketed" else "wait() for each reduce-scatter before you read its output")
+    return (f"after step {step}'s backward {what} holds NaN: {HELD}, so NaN here means a buffer was read before its "
+            f"wait(): {fix}.")
+
+
 def _gradient_message(stage: str, name: str, got: dict, step: int, rank: int, world_size: int,
-                      numel: int) -> str:
+                      numel: int, asynchronous: bool = False) -> str:
     what = "the gradient" if stage == "bucketed" else "the gradient shard"
-    if got["ratio"] is not None and abs(got["ratio"] - world_size) < 1e-3:  # catches a sum not divided by N
+    if got["diff"] is not None and math.isnan(got["diff"]):  # catches a buffer read before its wait()
+        return _nan_message(stage, f"{what} of {name}", step, asynchronous)
+    if _scaled(got, world_size):  # catches a sum not divided by N
         return (f"after step {step}'s backward {what} of {name} is {world_size} times DDP's averaged gradient: "
                 "divide the summed gradient by the world size.")
+    if _scaled(got, 1 / world_size):  # catches an average divided by N again (ReduceOp.AVG, then / N)
+        return (f"after step {step}'s backward {what} of {name} is 1/{world_size} of DDP's averaged gradient: it was "
+                "divided by the world size twice (op=ReduceOp.AVG already divides the sum by it); divide once.")
     if step == ACCUMULATE_STEP:  # catches a gradient replaced, not added, by the second backward pass
         fix = ("add each pass's reduce-scattered gradient to the shard's .grad when it already holds one, instead "
                "of replacing it" if stage != "bucketed" else "each pass's averages must add to what .grad holds")
@@ -345,23 +400,58 @@ def _gradient_message(stage: str, name: str, got: dict, step: int, rank: int, wo
             f"{found}")
 
 
+def _unit_nan_problem(events: list[dict]) -> str | None:
+    """A unit that started its forward or backward with NaN in a parameter (the harness's markers record it)."""
+    for event in events:
+        if event.get("nan"):
+            when, i = event["label"].rsplit(" start ", 1)
+            return (f"unit {i} started its {when} with {', '.join(event['nan'])} holding NaN, though every shard "
+                    f"was right: {HELD}, so your class copied a gathered buffer into the parameter before waiting for "
+                    "its all-gather. Wait for the work first, then alloc_storage(p) and copy.")
+    return None
+
+
+def _params_message(stage: str, row: dict, step: int, numels: dict[str, int]) -> str:
+    """The parameters are wrong though the shards are right: where the wrong values came from (the worker's
+    `placed`: the values before the step, or the right values read from the wrong offset of the gathered buffer)."""
+    head = f"after step {step} the parameters differ from torch's DDP by up to {row['params']:.2g}, though "
+    if stage == "bucketed":
+        return head + "the gradients were right."
+    name, where = next(iter(row.get("placed", {}).items()), (None, {}))
+    if where.get("offset"):  # catches a parameter unpadded from the wrong end of the gathered buffer
+        n, k = numels[name], where["offset"]
+        detail = (f"{name} holds values [{k}, {k + n}) of DDP's updated {name} gathered and padded to "
+                  f"{where['padded']} values, where the parameter is the first {n}, [0, {n}): the padding sits at the "
+                  "end of the gathered buffer, so copy its first p.numel() values (full[:p.numel()]).")
+    elif where.get("before"):  # catches an all-gather issued before the optimizer step
+        detail = (f"{name} still holds its values from before this step's update: all-gather the shards after "
+                  "self.optimizer.step() has updated them, and copy the result into the parameter.")
+    else:  # catches updated shards never copied back
+        detail = ("the all-gathered values did not land in the parameters: after the optimizer step, all-gather every "
+                  "updated shard and copy the first p.numel() values of the result into its parameter.")
+    return head + "the shards equal DDP's updated values: " + detail
+
+
 def _values_problem(stage: str, model: dict, rank: int, world_size: int, cap_mb: float) -> str | None:
-    """After every step: the gradients the optimizer used, then the shards, then the full parameters."""
+    """After every step: NaN in a unit's parameters when it started, the gradients the optimizer used, then the
+    shards, then the full parameters. NaN is never within the tolerance."""
     numels = dict(zip(model["names"], model["numels"], strict=True))
     for step, row in enumerate(model["values"]):
+        events = model["impl"]["steps"][step]
+        problem = _unit_nan_problem(events) if stage == "zero3" else None
+        if problem:  # catches a gathered buffer copied into its parameter before the wait
+            return f"step {step}: {problem}"
+        asynchronous = any(e["async"] for e in _calls(events))
         for name, got in row["grads"].items():
             if not _right(got):
-                return _gradient_message(stage, name, got, step, rank, world_size, numels[name])
-        if row["shards"] is not None and row["shards"] > TOLERANCE:  # catches an optimizer over copies of the shards
+                return _gradient_message(stage, name, got, step, rank, world_size, numels[name], asynchronous)
+        if row["shards"] is not None and not row["shards"] <= TOLERANCE:  # catches an optimizer over shard copies
             return (f"after step {step}'s optimizer step the shards differ from DDP's updated parameters by up to "
                     f"{row['shards']:.2g}, though the gradient shards were right: build the optimizer over the shards "
                     "in `shards`, so that its step updates them.")
-        if row["params"] is not None and row["params"] > TOLERANCE:  # catches updated shards never gathered back
-            return (f"after step {step} the parameters differ from torch's DDP by up to {row['params']:.2g}, though "
-                    + ("the gradients were right." if stage == "bucketed" else
-                       "the shards equal DDP's updated values: after the optimizer step, all-gather every updated "
-                       "shard back into its parameter."))
-    if model["max_diff"] is None or model["max_diff"] > TOLERANCE:  # catches a stale shard, an update not gathered
+        if row["params"] is not None and not row["params"] <= TOLERANCE:  # catches updated shards not copied back
+            return _params_message(stage, row, step, numels)
+    if model["max_diff"] is None or not model["max_diff"] <= TOLERANCE:  # catches a stale shard, an update lost
         return (f"after 5 AdamW steps the parameters differ from torch's DDP by {model['max_diff']:.2g} (more than "
                 f"{TOLERANCE:g}).")
     return None
@@ -372,7 +462,8 @@ CHECKS = (_construction_problem, _layout_problem, _plan_problem, _memory_problem
 
 def first_problem(stage: str, ranks: dict[int, dict]) -> str | None:
     """The first thing that is wrong, as the sentence after "Not yet: ", or None. Each kind of check runs on every
-    rank and model before the next kind, so that a structural mistake anywhere is named before any number."""
+    rank and model before the next kind, so that a structural mistake anywhere is named before any number. (A class
+    whose values held NaN on one model was not run on the next ones: the worker stops it there.)"""
     for find in CHECKS:
         for rank, got in sorted(ranks.items()):
             for name, model in got["models"].items():
@@ -382,10 +473,13 @@ def first_problem(stage: str, ranks: dict[int, dict]) -> str | None:
     return None
 
 
-KEPT = "and no other tensor kept (searched from your class, its class attributes and the model)"
+KEPT = ("no other tensor kept (searched from your class, its class attributes and the model), and no shard, gradient "
+        "or Adam state a view of a larger copy")
 WHAT = {"bucketed": "DDP's buckets, all-reduced during backward and waited for after it",
-        "zero1": f"Adam state for its shards only, reduce-scatters and all-gathers as planned, {KEPT}",
-        "zero2": f"Adam state and gradients for its shards only, reduce-scatters during backward, {KEPT}",
+        "zero1": f"Adam state for its shards only (the bytes this stage shards), reduce-scatters and all-gathers as "
+                 f"planned, {KEPT}",
+        "zero2": f"Adam state and gradients for its shards only (the bytes this stage shards), reduce-scatters during "
+                 f"backward, {KEPT}",
         "zero3": "parameters, gradients and Adam state for its shards only; each unit gathered before it runs and "
                  "freed after; the next unit's all-gather issued before this unit computes and waited for when it "
                  f"starts; {KEPT}"}
@@ -433,11 +527,29 @@ def one_check(results: dict[int, dict], index: int) -> dict[int, dict]:
 
 
 GLOO_SIZE_CHECK = re.compile(r"worldSize == (input|output)Shape|invalid tensor size at index")
+FREED = re.compile(r"out of bounds for storage of size 0")
+STOPPED = re.compile(r"(?:[\w.]+\.)?StoppedByTheCheck: ")  # the harness's own stop (workers/zero_check.py)
+HARNESS = "zero_check.py:"
 
 
 def crash_message(error: WorkerFailed, what: str) -> str:
     """explain_crash's paragraph, with what gloo's shape check of a reduce-scatter or an all-gather means in this
-    lesson (the launcher's general sentence replaced by one that names the lesson's padded_flat)."""
+    lesson (the launcher's general sentence replaced by one that names the lesson's padded_flat). When no line of the
+    learner's file was running (the innermost line outside torch is the harness's, which ran the model with the
+    class's hooks inside torch), the place says so instead of naming the harness's line as if it were the mistake;
+    the harness's own stop says what the class did, in place of the error and its place."""
+    where, text = getattr(error, "where", None), getattr(error, "error", None) or ""
+    if isinstance(where, str) and where.startswith(HARNESS):
+        stopped = STOPPED.match(text)
+        if stopped:
+            error.where, error.error = None, "the check stopped your class: " + text[stopped.end():]
+        else:
+            error.where = (f"{where}, the check's own line: torch raised this while it ran the model with your "
+                           "class's hooks in it, so no line of your file was running")
+    if FREED.search(text):
+        error.meaning = ("a parameter whose storage free_storage had emptied (0 bytes) was used before alloc_storage "
+                         "and a copy gave it its values again; on the tied model one weight sits in two units, so "
+                         "freeing one unit frees the other's weight too")
     if GLOO_SIZE_CHECK.search(f"{error.error or ''}\n{error}"):
         error.meaning = ("gloo checks that a reduce-scatter's input holds exactly world_size times its output's values "
                          "(an all-gather's output world_size times its input's); a parameter whose size does not "

@@ -88,8 +88,10 @@ def execute(notebook: Path, store: bool = True) -> list[str]:
     if store:
         os.environ["LESSONS_DATA"] = "digits"  # the kernel inherits this process's environment
     cells = nbformat.read(notebook, as_version=4)
-    _client_class()(cells, timeout=CELL_TIMEOUT, kernel_name="python3", allow_errors=True,
-            resources={"metadata": {"path": str(notebook.parent)}}).execute()
+    _client_class()(cells, timeout=CELL_TIMEOUT, kernel_name="python3", allow_errors=True, record_timing=False,
+                    resources={"metadata": {"path": str(notebook.parent)}}).execute()
+    for cell in cells.cells:  # no timestamps of the maintainer's run in the lesson (or in a learner's hand-out)
+        cell.metadata.pop("execution", None)
     errors = [f"cell {i}: {output.get('ename')}" for i, cell in enumerate(cells.cells) if cell.cell_type == "code"
               for output in cell.get("outputs", []) if output.get("output_type") == "error"
               and "raises-exception" not in cell.metadata.get("tags", [])]

@@ -52,6 +52,8 @@ def student_cells(cells: list[dict], clear_outputs: bool = False) -> list[dict]:
                                    "nbformat_minor": 5})
     notebook, _ = TagRemovePreprocessor(remove_cell_tags={"solution"}).preprocess(notebook, {})
     kept = json.loads(json.dumps(notebook["cells"]))
+    for cell in kept:  # the maintainer's execution timestamps, if a notebook still carries them
+        cell.get("metadata", {}).pop("execution", None)
     if clear_outputs:
         for cell in kept:
             if cell["cell_type"] == "code":

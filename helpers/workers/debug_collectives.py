@@ -21,6 +21,9 @@ Tools: --monitored   monitored_barrier instead of barrier (gloo only): rank 0 na
        --stacks-on-signal   faulthandler.register(SIGUSR1): `kill -USR1 <pid>` prints every thread's Python
                               stack to this rank's stderr (replaces the course launcher's own SIGUSR1 handler);
                               also allow_any_tracer(), so that py-spy may attach without root under ptrace_scope=1
+       --watchdog S  faulthandler.dump_traceback_later(S, repeat=True), re-armed every step: a step that takes
+                              longer than S seconds prints every thread's stack to stderr, every S seconds,
+                              with nobody sending a signal (for the job that hangs at 3 a.m.)
        --timeout S   seconds a collective waits before it fails (gloo's default is 30 minutes)
 """
 import argparse
@@ -51,6 +54,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--monitored", action="store_true")
     parser.add_argument("--flight-recorder", default=None)
     parser.add_argument("--stacks-on-signal", action="store_true")
+    parser.add_argument("--watchdog", type=float, default=0.0)
     parser.add_argument("--timeout", type=float, default=60.0)
     return parser.parse_args()
 
@@ -67,6 +71,8 @@ def meet(args: argparse.Namespace) -> None:
 def train(args: argparse.Namespace, rank: int) -> tuple[int, float]:
     step, samples = 0, torch.zeros(1)
     for step in range(1, args.steps + 1):
+        if args.watchdog:  # re-armed every step: only a step that outlasts it dumps the stacks
+            faulthandler.dump_traceback_later(args.watchdog, repeat=True)
         gradient = torch.full((9 if args.bug == "shape" and rank == 1 else 8,), float(rank + 1))
         started = time.perf_counter()
         dist.all_reduce(gradient)
@@ -80,6 +86,7 @@ def train(args: argparse.Namespace, rank: int) -> tuple[int, float]:
             if args.bug == "skip-barrier" and rank != 0 and step == args.checkpoint_every:
                 continue  # the planted bug: only rank 0 reaches this barrier
             meet(args)
+    faulthandler.cancel_dump_traceback_later()
     return step, samples.item()
 
 

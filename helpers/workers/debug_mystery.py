@@ -9,7 +9,7 @@ embedding's length (its L2 norm).
 The data are shuffled across ranks by DistributedSampler. Every step prints its loss before backward.
 Tools: --nan-check  every step, before backward, which ranks' losses are not finite (stops at the first)
        --anomaly    torch.autograd.set_detect_anomaly(True): the backward op that makes a NaN raises
-       --eps E      added under the square root of the length (default 0)
+Settings: --lr LR (the learning rate, default 0.5), --eps E (the model's epsilon, default 0)
 """
 import argparse
 from datetime import timedelta
@@ -41,6 +41,7 @@ def main() -> None:
     parser.add_argument("--nan-check", action="store_true")
     parser.add_argument("--anomaly", action="store_true")
     parser.add_argument("--eps", type=float, default=0.0)
+    parser.add_argument("--lr", type=float, default=0.5)
     parser.add_argument("--timeout", type=float, default=30.0)
     args = parser.parse_args()
     # gloo on every machine: the model and batches stay on the CPU (nccl serves only CUDA tensors)
@@ -48,7 +49,7 @@ def main() -> None:
     assert world_size == WORLD_SIZE, f"the mystery job runs on {WORLD_SIZE} ranks"
     torch.manual_seed(0)
     model = DDP(Classifier(args.eps))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     torch.autograd.set_detect_anomaly(args.anomaly)
     x_all, labels_all = images()
     indices = order(rank)

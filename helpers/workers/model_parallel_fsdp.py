@@ -2,27 +2,26 @@
 
     torchrun --standalone --nproc-per-node 2 helpers/workers/model_parallel_fsdp.py --steps 3
 
-`fully_shard` is applied to every Linear layer, then to the whole model. Each rank records the shapes
-it holds, counts the all-gathers and reduce-scatters of each step (by wrapping the two functions FSDP
-calls), and trains a DDP copy on the same data with plain SGD: before each optimizer step it compares the
-gradients (FSDP's sharded gradients gathered with full_tensor() against DDP's .grad), and after the last step
-the parameters. SGD, not Adam: Adam divides each update by the root of its running squared gradient, so a
-gradient twice too large moves the weights almost as much; SGD moves them twice as far. Last, one step of a
-copy sharded with MixedPrecisionPolicy(param_dtype=torch.bfloat16): its all-gathers and reduce-scatters
-move bf16 (2 bytes per value), and its loss is compared with the fp32 model's; one step of a copy
-with reshard_after_forward=False, which gathers each layer once per step; and one step of a copy sharded
-with the default reshard_after_forward=None, in which the root module owns a parameter of its own (the
-output layer is not sharded separately): None means True for inner modules and False for the root
-(torch/distributed/fsdp/_fully_shard/_fully_shard.py, docstring and lines 246-260; FSDPState._lazy_init in
-_fsdp_state.py), so the root's group is gathered once per step. Works with one process.
+The model is built as one too large for a device must be: on the meta device (shapes, no storage), sharded there,
+then `to_empty` allocates this rank's shards only, and each layer is filled from one full layer at a time (the
+values mlp() draws). Beside it, a shortcut that goes wrong on CPU: reset_parameters() on every rank.
+`fully_shard` goes on every Linear, then on the whole model. Each rank records its shard shapes, counts the
+all-gathers and reduce-scatters of each step (by wrapping the two functions FSDP calls), and trains a DDP copy on
+the same data with plain SGD (Adam would hide a gradient twice too large; SGD moves the weights twice as far):
+gradients compared before each step (full_tensor() against DDP's .grad), parameters after the last. Then one step
+each of copies sharded with MixedPrecisionPolicy(param_dtype=torch.bfloat16), with reshard_after_forward=False, and
+with the default reshard_after_forward=None on a root that owns the output layer (None: True for inner modules,
+False for the root, fully_shard's docstring). Works with one process.
 """
 import argparse
+import warnings
 from collections import Counter
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import distribute_tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from helpers.kit.distributed import init_distributed
@@ -59,6 +58,28 @@ def shard(model: nn.Sequential, policy: MixedPrecisionPolicy, reshard_after_forw
     return model
 
 
+def build_on_meta(width: int, hidden_layers: int, device: torch.device) -> nn.Sequential:
+    """A sharded mlp() that no rank ever holds whole: built on meta, sharded, then only the shards allocated."""
+    with torch.device("meta"):
+        model = mlp(width, hidden_layers)  # shapes only: no memory for any weight
+    shard(model, MixedPrecisionPolicy())   # each parameter becomes a DTensor holding this rank's shard, still meta
+    model.to_empty(device=device)          # allocates this rank's shards, uninitialised
+    return model
+
+
+def fill_like_mlp(model: nn.Sequential, seed: int = 0) -> None:
+    """Fill each shard with the values mlp(seed=seed) would hold, drawing one full layer at a time."""
+    torch.manual_seed(seed)
+    for layer in model:  # (under no_grad: the shards are trainable parameters)
+        if isinstance(layer, nn.Linear):
+            full = nn.Linear(layer.in_features, layer.out_features)  # one layer, drawn in mlp()'s order
+            for name, sharded in layer.named_parameters():
+                mine = distribute_tensor(getattr(full, name).detach(), sharded.device_mesh, sharded.placements,
+                                         src_data_rank=None)  # this rank's slice, no communication
+                with torch.no_grad():
+                    sharded.to_local().copy_(mine.to_local())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=256)
@@ -72,7 +93,24 @@ def main() -> None:
     count_calls("reduce_scatter_single", "input")
     rank, world_size, device = init_distributed()
 
-    model = shard(mlp(args.width, args.hidden_layers).to(device), MixedPrecisionPolicy())
+    model = build_on_meta(args.width, args.hidden_layers, device)
+    meta = {"local_bytes": sum(p.to_local().numel() * p.element_size() for p in model.parameters())}
+    fill_like_mlp(model)
+    eager = shard(mlp(args.width, args.hidden_layers).to(device), MixedPrecisionPolicy())  # built whole, then sharded
+    meta["diff_to_eager"] = max_abs_diff([p.to_local() for p in model.parameters()],
+                                         [p.to_local() for p in eager.parameters()])
+    # The shortcut: every rank runs reset_parameters() on its own shard, from the same seed.
+    shortcut = build_on_meta(args.width, args.hidden_layers, device)
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        for layer in shortcut:
+            if isinstance(layer, nn.Linear):
+                layer.reset_parameters()
+    meta["shortcut_warnings"] = sorted({str(warning.message) for warning in warned})
+    weight = shortcut[1].weight.full_tensor()  # the first layer's weight, gathered
+    half = weight.shape[0] // 2
+    meta["shortcut_halves_equal"] = bool(torch.equal(weight[:half], weight[half:2 * half]))
     ddp_model = DDP(mlp(args.width, args.hidden_layers).to(device))  # same seed: same starting weights
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     ddp_optimizer = torch.optim.SGD(ddp_model.parameters(), lr=0.1)
@@ -127,7 +165,7 @@ def main() -> None:
            max_param_diff=max_diff, grad_diffs=grad_diffs, grad_sizes=grad_sizes,
            n_params=sum(q.numel() for q in ddp_model.parameters()),
            bf16_loss_diff=abs(losses["bf16"].item() - losses["fp32"].item()),
-           bf16_sharded_dtype=str(next(bf16_model.parameters()).dtype))
+           bf16_sharded_dtype=str(next(bf16_model.parameters()).dtype), meta=meta, device=device.type)
     dist.destroy_process_group()
 
 

@@ -23,6 +23,30 @@ from helpers.kit.reporting import report, result
 from helpers.kit.tensors import max_abs_diff
 
 
+def train_step(stage: nn.Module, images: torch.Tensor, labels: torch.Tensor, boundary: tuple[int, int]):
+    """Forward and backward through this rank's layers; activations go forward, their gradients come back."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    first, last = rank == 0, rank == world_size - 1
+    if first:
+        inputs = images
+    else:
+        inputs = torch.empty(boundary, device=images.device, requires_grad=True)
+        dist.recv(inputs.data, src=rank - 1)  # wait for the previous rank's activations
+    outputs = stage(inputs)
+    loss = None
+    if last:
+        loss = nn.functional.cross_entropy(outputs, labels)
+        loss.backward()
+    else:
+        dist.send(outputs.detach(), dst=rank + 1)
+        grad = torch.empty_like(outputs)
+        dist.recv(grad, src=rank + 1)  # wait for the next rank's gradient
+        outputs.backward(grad)
+    if not first:
+        dist.send(inputs.grad, dst=rank - 1)
+    return loss
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=256)
@@ -33,7 +57,7 @@ def main() -> None:
     args = parser.parse_args()
 
     rank, world_size, device = init_distributed()
-    first, last = rank == 0, rank == world_size - 1
+    last = rank == world_size - 1
 
     unsplit = mlp(args.width, args.hidden_layers).to(device)  # same seed on every rank: same weights
     layers = split_stages(mlp(args.width, args.hidden_layers), world_size)[rank].to(device)
@@ -48,22 +72,7 @@ def main() -> None:
         stage.zero_grad()
         stage.clear()
         dist.barrier()  # start together, so that the timeline shows only the waiting the split causes
-        if first:
-            inputs = images
-        else:
-            inputs = torch.empty(boundary, device=device, requires_grad=True)
-            dist.recv(inputs.data, src=rank - 1)  # wait for the previous rank's activations
-        outputs = stage(inputs)
-        if last:
-            loss = nn.functional.cross_entropy(outputs, labels)
-            loss.backward()
-        else:
-            dist.send(outputs.detach(), dst=rank + 1)
-            grad = torch.empty_like(outputs)
-            dist.recv(grad, src=rank + 1)  # wait for the next rank's gradient
-            outputs.backward(grad)
-        if not first:
-            dist.send(inputs.grad, dst=rank - 1)
+        loss = train_step(stage, images, labels, boundary)
         if last:
             report(step=step, loss=loss.item())
     events = [{"rank": rank, "kind": kind, "start": start, "end": end} for kind, start, end in stage.intervals()]

@@ -14,16 +14,13 @@ interval) and how many bytes of activations it holds at most. Of the steps after
 whose slower rank had the shortest span from its first compute start to its last compute end, so that a moment
 when the machine is busy elsewhere weighs less: a choice by span, not by idle time (the kept step's idle share
 need not be the lowest of the recorded steps), and not an average.
-It also checks loss and gradients against the unsplit model, and ends with two controls on the hand-over
-between ranks: a bare send/recv ping-pong, and a send whose receiver sleeps 50 ms before it receives.
-Works with one process (a one-stage pipeline).
+It also checks loss and gradients against the unsplit model. Works with one process (a one-stage pipeline).
+Whether micro-batching pays with real compute is model_parallel_pipeline_speed.py's question.
 The timelines are read on the CPU (wall and thread clocks at autograd marks). On gloo/CPU that is when the
 stage computes; on nccl/CUDA it is when the CPU queued the kernels and the messages, so time GPU stages with
 CUDA events (torch.cuda.Event(enable_timing=True)) or torch.cuda.synchronize() instead.
 """
 import argparse
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -52,47 +49,17 @@ def fastest_step(steps: list[list[dict]]) -> int:
     return int(spans.argmin())
 
 
-def message_seconds(shape: tuple[int, ...], device: torch.device, rounds: int = 20) -> float | None:
-    """One-way time of a plain dist.send/recv of `shape` floats between ranks 0 and 1 (median of round trips / 2).
-
-    A control for the pipeline's timelines: what one activation (or its gradient) costs to hand over, without
-    the schedule around it. None with one process.
-    """
-    if dist.get_world_size() < 2 or dist.get_rank() > 1:
-        return None
-    buffer, trips = torch.zeros(shape, device=device), []
-    for _ in range(rounds + 2):  # two warm-up trips
-        start = time.perf_counter()
-        if dist.get_rank() == 0:
-            dist.send(buffer, dst=1)
-            dist.recv(buffer, src=1)
-        else:
-            dist.recv(buffer, src=0)
-            dist.send(buffer, dst=0)
-        trips.append(time.perf_counter() - start)
-    return statistics.median(trips[2:]) / 2
-
-
-def send_while_receiver_sleeps(shape: tuple[int, ...], device: torch.device, sleep_s: float = 0.05) -> float | None:
-    """Seconds rank 0's dist.send of `shape` floats takes while rank 1 sleeps `sleep_s` before its dist.recv.
-
-    A control for what a send waits for: about `sleep_s` if the send returns only once the receiver has posted
-    its receive, about the ping-pong's one-way time if it returns as soon as the data is handed to the
-    transport. None with one process.
-    """
-    if dist.get_world_size() < 2:
-        return None
-    dist.barrier()  # both start together, so rank 1's sleep begins as rank 0 sends
-    if dist.get_rank() > 1:
-        return None
-    buffer = torch.zeros(shape, device=device)
-    if dist.get_rank() == 0:
-        start = time.perf_counter()
-        dist.send(buffer, dst=1)
-        return time.perf_counter() - start
-    time.sleep(sleep_s)
-    dist.recv(buffer, src=0)
-    return None
+def pipeline_step(schedule, images: torch.Tensor, labels: torch.Tensor, losses: list) -> None:
+    """One training step on every rank: the first stage gets the inputs, the last the targets (and the losses)."""
+    first, last = dist.get_rank() == 0, dist.get_rank() == dist.get_world_size() - 1
+    if first and last:
+        schedule.step(images, target=labels, losses=losses)
+    elif first:
+        schedule.step(images)
+    elif last:
+        schedule.step(target=labels, losses=losses)
+    else:
+        schedule.step()
 
 
 def main() -> None:
@@ -110,7 +77,7 @@ def main() -> None:
         parser.error("--steps-per-schedule must be at least 2: a warm-up, then the recorded steps")
 
     rank, world_size, device = init_distributed()
-    first, last = rank == 0, rank == world_size - 1
+    last = rank == world_size - 1
 
     unsplit = mlp(args.width, args.hidden_layers).to(device)  # same seed on every rank: same weights
     layers = split_stages(mlp(args.width, args.hidden_layers), world_size)[rank].to(device)
@@ -139,14 +106,7 @@ def main() -> None:
             dist.barrier()
             losses: list[torch.Tensor] = []
             with SavedActivations(watched) as saved:  # this stage's activations, over the whole step
-                if first and last:
-                    schedule.step(images, target=labels, losses=losses)
-                elif first:
-                    schedule.step(images)
-                elif last:
-                    schedule.step(target=labels, losses=losses)
-                else:
-                    schedule.step()
+                pipeline_step(schedule, images, labels, losses)
             if step > 0:
                 events = [{"rank": rank, "kind": kind, "start": start, "end": end, "cpu": cpu}
                           for (kind, start, end), cpu in zip(watched.intervals(), watched.cpu_seconds(),
@@ -160,11 +120,8 @@ def main() -> None:
         loss_diff = abs(torch.stack(losses).mean().item() - unsplit_loss.item()) if last else None
         checks[key] = {"grad_diff": grad_diff, "loss_diff": loss_diff}
         progress(done + 1, total=len(configs))
-    # The smallest micro-batch's activation: [global batch / largest m, width] floats.
-    message = message_seconds((args.global_batch // max(args.microbatches), args.width), device)
-    send_wait = send_while_receiver_sleeps((args.global_batch // max(args.microbatches), args.width), device)
     result(timelines=timelines, checks=checks, activations=activations, loss=unsplit_loss.item(),
-           message_seconds=message, send_while_receiver_sleeps=send_wait, backend=dist.get_backend(),
+           backend=dist.get_backend(),
            threads=torch.get_num_threads())
     dist.destroy_process_group()
 

@@ -54,6 +54,18 @@ class CopyToRanks(torch.autograd.Function):
         return total
 
 
+def by_hand(plain1: nn.Linear, plain2: nn.Linear, x: torch.Tensor):
+    """This rank's slice of the hidden units: rows of W1 (column-parallel), the same columns of W2 (row-parallel)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    hidden = plain1.out_features
+    rows = slice(rank * hidden // world_size, (rank + 1) * hidden // world_size)
+    w1 = plain1.weight.detach()[rows].clone().requires_grad_()
+    w2 = plain2.weight.detach()[:, rows].clone().requires_grad_()
+    x_parallel = x.detach().clone().requires_grad_()
+    partial = torch.relu(CopyToRanks.apply(x_parallel) @ w1.T) @ w2.T  # a partial y from this slice
+    return w1, w2, x_parallel, SumOverRanks.apply(partial)  # the all-reduce adds the partials
+
+
 def with_the_api(plain1: nn.Linear, plain2: nn.Linear, x: torch.Tensor, y: torch.Tensor, rows: slice,
                  device: torch.device) -> dict:
     """The same pair through parallelize_module; returns local weight shapes, placements, diffs, all-reduces."""
@@ -90,15 +102,9 @@ def main() -> None:
     plain2 = nn.Linear(args.hidden, args.features, bias=False).to(device)
     x = torch.randn(args.global_batch, args.features, device=device, requires_grad=True)
 
-    # Rank r's slice of the hidden units: rows of W1 (column-parallel), columns of W2 (row-parallel).
-    rows = slice(rank * args.hidden // world_size, (rank + 1) * args.hidden // world_size)
-    w1 = plain1.weight.detach()[rows].clone().requires_grad_()
-    w2 = plain2.weight.detach()[:, rows].clone().requires_grad_()
-    x_parallel = x.detach().clone().requires_grad_()
-
-    partial = torch.relu(CopyToRanks.apply(x_parallel) @ w1.T) @ w2.T
-    y_parallel = SumOverRanks.apply(partial)
+    w1, w2, x_parallel, y_parallel = by_hand(plain1, plain2, x)
     y_parallel.sum().backward()
+    rows = slice(rank * args.hidden // world_size, (rank + 1) * args.hidden // world_size)
 
     y = plain2(torch.relu(plain1(x)))
     y.sum().backward()

@@ -14,7 +14,7 @@ def test_a_python_error_names_the_rank_the_line_the_error_and_the_folder():
                          error="ValueError: shard of 3 values, expected 4")
     text = explain_crash(error, "your class")
     assert text == ("your class crashed on rank 1 at my_zero.py:31 (in step): ValueError: shard of 3 values, "
-                    "expected 4. Everything each rank printed is in runs/RUN/ (rank<N>.log).")
+                    "expected 4. Each rank's output and traceback are in runs/RUN/rank<N>.log.")
 
 
 def test_a_cpp_abort_says_what_it_means():
@@ -36,5 +36,5 @@ def test_a_hang_lists_where_each_rank_waited(capsys):
 
 def test_a_failure_of_no_rank_says_what_failed():
     text = explain_crash(WorkerFailed("the torchrun agent of node 0 itself failed:\nboom", run=RUN))
-    assert text == "the check failed: the torchrun agent of node 0 itself failed. Everything each rank printed is in " \
-                   "runs/RUN/ (rank<N>.log)."
+    assert text == "the check failed: the torchrun agent of node 0 itself failed. Each rank's output and traceback " \
+                   "are in runs/RUN/rank<N>.log."

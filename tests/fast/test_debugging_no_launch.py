@@ -99,3 +99,31 @@ def test_the_during_the_hang_dump_is_chosen_by_the_clock(tmp_path, monkeypatch):
     kept = float((tmp_path / "rank0").read_bytes())
     assert newest > failed_at - 0.3  # the newest dump was too late: what the choice must undo
     assert failed_at - 0.3 - 0.25 < kept <= failed_at - 0.3  # and it is one of the last before that point
+
+
+WATCHDOG_LOG = """step 3: gradient[0] 3, samples 32
+Timeout (0:00:02)!
+Thread 0x00007f0000000001 (most recent call first):
+  File "/x/helpers/workers/debug_collectives.py", line 90 in loop
+
+Thread 0x00007f3138e18b80 (most recent call first):
+  File "/x/torch/distributed/distributed_c10d.py", line 6371 in barrier
+  File "/x/helpers/workers/debug_collectives.py", line 68 in meet
+  File "/x/helpers/workers/debug_collectives.py", line 189 in <module>
+  File "/x/helpers/launcher/bootstrap.py", line 96 in run_script
+Timeout (0:00:02)!
+Thread 0x00007f3138e18b80 (most recent call first):
+  File "/x/torch/distributed/distributed_c10d.py", line 6371 in barrier
+  File "/x/helpers/workers/debug_collectives.py", line 189 in <module>
+RuntimeError: the collective timed out
+"""
+
+
+def test_watchdog_dumps_reads_every_dump_of_the_thread_that_runs_the_script():
+    from helpers.lessons.debugging import watchdog_dumps
+
+    # a reader that took the first thread (a helper thread), or ran past the script's top level, would fail here
+    assert watchdog_dumps(WATCHDOG_LOG, "debug_collectives.py") == [
+        ["barrier (distributed_c10d.py:6371)", "meet (debug_collectives.py:68)", "<module> (debug_collectives.py:189)"],
+        ["barrier (distributed_c10d.py:6371)", "<module> (debug_collectives.py:189)"]]
+    assert watchdog_dumps("step 1: no dump here\n", "debug_collectives.py") == []

@@ -226,6 +226,21 @@ def test_a_crash_is_placed_at_the_learners_line_from_the_traceback():
     assert crash_site(text, "", ("/py/lib",)) == ("my_zero.py:31 (in step)", "ValueError: no")
 
 
+def test_a_crash_in_a_helper_of_another_learner_file_names_the_call_too():
+    """A Zero2 calling its Zero1 parent's method: the failing line is my_zero1.py's, the call that led there
+    my_zero2.py's. The course's worker that ran the class is not named as a caller."""
+    text = ('Traceback (most recent call last):\n'
+            '  File "/repo/helpers/workers/zero_check.py", line 80, in main\n    impl.step()\n'
+            '  File "/repo/notebooks/my_zero2.py", line 31, in step\n    super().step()\n'
+            '  File "/repo/notebooks/my_zero1.py", line 25, in step\n    self._reduce_scatter(p)\n'
+            '  File "/repo/notebooks/my_zero1.py", line 20, in _reduce_scatter\n    p.grad.detach()\n'
+            "AttributeError: 'NoneType' object has no attribute 'detach'\n")
+    where, _ = crash_site(text, "")
+    assert where == "my_zero1.py:20 (in _reduce_scatter), called from my_zero2.py:31 (in step)"
+    alone = text.replace("my_zero2.py", "my_zero1.py")  # one learner file: no caller added
+    assert crash_site(alone, "")[0] == "my_zero1.py:20 (in _reduce_scatter)"
+
+
 def test_a_rank_killed_by_an_abort_is_placed_from_faulthandlers_stacks():
     where, error = crash_site(None, ABORT_LOG, ("/py/lib",))
     assert where == "my_zero.py:31 (in step)"

@@ -136,7 +136,8 @@ def crashes(stage, stages, microbatches):
     (backward_first, "stage 1 of 2, 4 micro-batches: B0 comes before F0"),
     (backwards_bunched, "stage 0 of 2, 4 micro-batches: at position 3 you run B1, torch's Schedule1F1B ran in "
                         "this lesson F2"),
-    (crashes, "stage_order raised IndexError: list index out of range"),
+    (crashes, "stage_order raised IndexError: list index out of range (line 2 of crashes: "
+              "`raise IndexError(\"list index out of range\")`)"),
     (lambda s, p, m: list(reversed(one_f_one_b(s, p, m))), "the forwards must run in micro-batch order"),
 ])
 def test_stage_order_check_says_what_is_wrong(capsys, wrong, message):
@@ -221,3 +222,34 @@ def test_stopwatch_gives_the_first_stage_no_input_gradient():
     later(activations).sum().backward()
     assert activations.grad is not None  # a later stage still sends its input's gradient back
     assert [kind for kind, _, _ in later.intervals()] == ["forward", "backward"]  # no second backward mark
+
+
+def test_pipeline_step_prediction_is_the_bubble_formula_in_step_time():
+    from helpers.lessons.model_parallel import pipeline_step_prediction
+
+    # (m + p - 1) slots of 1/m of a stage against p slots at m = 1: the busy share is 1 - bubble at every m
+    for stages in (2, 4):
+        for microbatches in (1, 2, 4, 8):
+            ratio = pipeline_step_prediction(1.0, microbatches, stages)
+            assert ratio * stages * (1 - bubble_fraction(stages, microbatches)) == pytest.approx(1.0)
+    assert pipeline_step_prediction(0.2, 4) == pytest.approx(0.2 * 5 / 8)
+
+
+def test_speed_figure_draws_the_medians_their_spreads_the_formula_and_the_control():
+    import matplotlib.pyplot as plt
+
+    from helpers.kit.timing import Timing
+    from helpers.lessons.model_parallel import speed_figure
+
+    timings = {f"wide m={m}": Timing(f"wide m={m}", [0.3 / m + 0.1, 0.4 / m + 0.1, 0.35 / m + 0.1] * 2)
+               for m in (1, 2, 4)}
+    timings["wide m=4, one core"] = Timing("wide m=4, one core", [0.5, 0.6, 0.55, 0.5, 0.6])
+    ax = speed_figure(timings)
+    measured = ax.lines[0]  # the first line drawn: the medians (errorbar's data line)
+    assert list(measured.get_xdata()) == [1, 2, 4]
+    assert [round(y, 6) for y in measured.get_ydata()] == [round(timings[f"wide m={m}"].median() * 1e3, 6)
+                                                          for m in (1, 2, 4)]
+    dashed = [line for line in ax.lines if line.get_linestyle() == "--"]
+    assert len(dashed) == 1 and dashed[0].get_ydata()[-1] == pytest.approx(measured.get_ydata()[0] * 5 / 8)
+    assert "m = 4, both ranks on one core" in [text.get_text() for text in ax.get_legend().get_texts()]
+    plt.close(ax.figure)

@@ -102,9 +102,11 @@ def test_only_cells_tagged_solution_go():
         {"cell_type": "markdown", "metadata": {}, "source": ["A learner's note that mentions the solution."]},
         {"cell_type": "code", "metadata": {"tags": ["solution", "nbval-ignore-output"]}, "source": ["answer = 42"],
          "outputs": [], "execution_count": 4},
-        {"cell_type": "code", "metadata": {}, "source": ["check_it('mine.py')"], "outputs": [], "execution_count": 5},
+        {"cell_type": "code", "metadata": {"execution": {"iopub.execute_input": "2026-12-06T12:20:00Z"}},
+         "source": ["check_it('mine.py')"], "outputs": [], "execution_count": 5},
     ]
     kept = workshop.student_cells(cells, clear_outputs=True)
+    assert "execution" not in kept[-1]["metadata"]  # no timestamps of the maintainer's run in a hand-out
     assert ["".join(c["source"]) for c in kept] == ["Hint: use a ring.", "A learner's note that mentions the solution.",
                                                     "check_it('mine.py')"]
     assert kept[-1]["execution_count"] is None

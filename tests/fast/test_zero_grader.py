@@ -10,7 +10,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from helpers.kit.zero import ACCUMULATE_STEP, other_tensors, padded_flat, reachable_tensors, shard_size
+from helpers.kit.zero import ACCUMULATE_STEP, hidden_storage, other_tensors, padded_flat, reachable_tensors, shard_size
 from helpers.launcher.api import LaunchTimeout, Run, WorkerFailed
 from helpers.lessons import zero
 from helpers.lessons.zero import crash_message, expected, traffic
@@ -131,7 +131,7 @@ def test_a_gloo_size_check_says_to_pad():
     text = crash_message(error, "the zero1 check of my_zero1.py")
     assert text.startswith("the zero1 check of my_zero1.py crashed on rank 1 at my_zero1.py:22 (in step): "), text
     assert "What it means: gloo checks that a reduce-scatter's input holds exactly world_size times" in text
-    assert "padded with zeros first (padded_flat)" in text and text.endswith("(rank<N>.log).")
+    assert "padded with zeros first (padded_flat)" in text and text.endswith("runs/RUN/rank<N>.log.")
 
 
 def test_a_hang_says_where_each_rank_waited(monkeypatch, tmp_path, capsys):
@@ -148,7 +148,7 @@ def test_a_hang_says_where_each_rank_waited(monkeypatch, tmp_path, capsys):
     assert out[0].startswith("Running my_zero1.py on 2 ranks"), out
     assert out[1] == "Not yet: the zero1 check of my_zero1.py did not finish; where each rank was:", out
     assert out[2:4] == ["  rank 0: waiting in dist.all_reduce at my_zero1.py:9", "  rank 1: in time.sleep at "
-                        "my_zero1.py:11. Everything each rank printed is in runs/RUN/ (rank<N>.log). A collective "
+                        "my_zero1.py:11. Each rank's output and traceback are in runs/RUN/rank<N>.log. A collective "
                         "that only some ranks call waits for the others until the timeout (is one inside "
                         "`if rank == 0:`?)."], out
 
@@ -184,3 +184,100 @@ def test_a_segfault_points_at_a_copy_into_freed_storage():
     assert "at my_zero3.py:36 (in _gather) (exit code -11: killed by a signal" in text, text
     assert "What it means: the process touched memory it does not own; in this lesson that is usually a copy into a " \
            "parameter whose storage free_storage emptied: call alloc_storage(p) before copying in." in text, text
+
+
+def test_hidden_storage_finds_the_padded_copy_behind_a_shard_view_and_nothing_behind_a_clone():
+    weight = torch.arange(35.0)
+    view = padded_flat(weight, 2).chunk(2)[1]  # rank 1's shard, a view of the 36-value padded copy
+    found = hidden_storage([("the shard of 0.weight", view)], 2)
+    assert found == {"what": "the shard of 0.weight", "bytes": 144, "used": 72}  # would be None if views were skipped
+    assert hidden_storage([("the shard of 0.weight", view.clone())], 2) is None
+
+
+def test_hidden_storage_accepts_views_that_cover_their_storage_and_padding_left_over():
+    bucket = torch.zeros(10)
+    grads = [("the gradient of a", bucket[:4]), ("the gradient of b", bucket[4:9])]  # 1 value unused: padding
+    assert hidden_storage(grads, 2) is None
+    assert hidden_storage(grads[:1], 2) == {"what": "the gradient of a", "bytes": 40, "used": 16}
+
+
+def test_a_held_output_is_nan_until_its_wait_and_then_holds_the_result():
+    import torch.distributed as dist
+
+    from helpers.kit.zero import CommLog
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    log = CommLog().install()
+    try:
+        log.hold_outputs = True
+        out, shard = torch.zeros(3), torch.tensor([1.0, 2.0, 3.0])
+        work = dist.all_gather_single(out, shard, async_op=True)
+        early = out.clone()
+        work.wait()
+        assert torch.isnan(early).all() and out.tolist() == [1.0, 2.0, 3.0]  # catches a held output never delivered
+        total = torch.tensor([4.0])
+        work = dist.all_reduce(total, async_op=True)
+        assert torch.isnan(total).all()
+        work.get_future().wait()
+        assert total.tolist() == [4.0]  # delivered through get_future() too
+        blocking = torch.zeros(3)
+        dist.all_gather_single(blocking, shard)  # not async: never held
+        assert blocking.tolist() == [1.0, 2.0, 3.0]
+        log.hold_outputs = False
+        free = torch.zeros(3)
+        dist.all_gather_single(free, shard, async_op=True).wait()
+        assert free.tolist() == [1.0, 2.0, 3.0] and [e["op"] for e in log.events if e["op"] != "wait"] == [
+            "all_gather_single", "all_reduce", "all_gather_single", "all_gather_single"]
+    finally:
+        log.uninstall()
+        dist.destroy_process_group()
+
+
+def _grad(diff: float, ratio: float, fit: float = 0.0) -> dict:
+    return {"diff": diff, "scale": 1.0, "ratio": ratio, "fit": fit, "numel": 4}
+
+
+def test_a_gradient_averaged_twice_is_named_and_a_scale_that_does_not_fit_is_not():
+    text = zero._gradient_message("zero2", "0.weight", _grad(0.3, 0.5), 0, 0, 2, 8)
+    assert "is 1/2 of DDP's averaged gradient: it was divided by the world size twice" in text, text
+    text = zero._gradient_message("zero2", "0.weight", _grad(0.3, 2.0, fit=0.2), 0, 0, 2, 8)
+    assert "times" not in text and "it differs by up to 0.3" in text, text  # a ratio of 2 alone is not "2 times"
+
+
+def test_nan_in_a_gradient_says_read_before_wait_only_when_the_step_was_async():
+    nan = _grad(float("nan"), float("nan"), float("nan"))
+    text = zero._gradient_message("bucketed", "0.weight", nan, 0, 0, 2, 8, asynchronous=True)
+    assert text.startswith("after step 0's backward the gradient of 0.weight holds NaN: this check keeps the output")
+    assert "wait() for a bucket's all-reduce before you divide and copy it" in text, text
+    text = zero._gradient_message("zero1", "0.weight", nan, 0, 0, 2, 8, asynchronous=False)
+    assert "none of this step's collectives was async" in text and "wait()" not in text, text
+
+
+def test_wrong_parameters_say_where_their_values_came_from():
+    row = {"params": 0.5, "placed": {"0.weight": {"offset": 1, "padded": 36}}}
+    assert "0.weight holds values [1, 36) of DDP's updated 0.weight gathered and padded to 36 values, where the " \
+           "parameter is the first 35, [0, 35)" in zero._params_message("zero1", row, 0, {"0.weight": 35})
+    row["placed"] = {"0.weight": {"before": True}}
+    assert "0.weight still holds its values from before this step's update" in zero._params_message(
+        "zero1", row, 2, {"0.weight": 35})
+
+
+def test_a_crash_at_the_harness_line_is_not_blamed_on_it_and_a_freed_parameter_is_explained():
+    error = WorkerFailed("...", rank=1, exitcode=1, run=RUN, where="zero_check.py:75 (in train)",
+                         error="RuntimeError: setStorage: sizes [9, 9], strides [1, 9], storage offset 0, and itemsize "
+                               "4 requiring a storage size of 324 are out of bounds for storage of size 0")
+    text = crash_message(error, "the zero3 check of my_zero3.py")
+    assert text.startswith("the zero3 check of my_zero3.py crashed on rank 1 at zero_check.py:75 (in train), the "
+                           "check's own line: torch raised this while it ran the model with your class's hooks in it, "
+                           "so no line of your file was running: RuntimeError: setStorage"), text
+    assert "What it means: a parameter whose storage free_storage had emptied (0 bytes) was used" in text, text
+
+
+def test_the_harness_stop_says_what_the_class_did_in_place_of_its_own_line():
+    error = WorkerFailed("...", rank=0, exitcode=1, run=RUN, where="zero_check.py:101 (in look)",
+                         error="StoppedByTheCheck: model 'tied', step 0: unit 1's forward was about to run with "
+                               "a.weight freed (0 bytes of storage)")
+    text = crash_message(error, "the zero3 check of my_zero3.py")
+    assert text.startswith("the zero3 check of my_zero3.py crashed on rank 0: the check stopped your class: model "
+                           "'tied', step 0: unit 1's forward"), text
+    assert "zero_check.py" not in text, text
