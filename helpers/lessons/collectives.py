@@ -1,7 +1,6 @@
 """Pictures and arithmetic for lesson 01 (collectives): what every rank held, and what bytes cost.
 
     from helpers.lessons.collectives import draw_collectives, draw_barrier, bandwidth_rows, fit_latency_bandwidth
-    excerpt("../helpers/workers/collectives_ring.py", "def exchange", "copy_(buffer)")   # lines of a worker
     draw_collectives(run, ["broadcast", "all_reduce"])   # run of helpers/workers/collectives_tour.py
     latency, bandwidth = fit_latency_bandwidth(sizes, seconds)          # a 2-rank sweep
     predict_allreduce_seconds(64 * 2**20, 8, latency, bandwidth)        # the ring model for 8 ranks
@@ -12,7 +11,6 @@ Taught in notebooks/01_collectives.ipynb.
 from __future__ import annotations
 
 import re
-import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -26,18 +24,6 @@ from helpers.lessons.checks import announce_run, correct, each_rank, not_yet, no
 
 RANK_COLOURS = plt.get_cmap("tab10").colors
 COMBINED_COLOUR = "0.75"  # a number made by adding several ranks' numbers
-
-
-def excerpt(path: str | Path, first: str, last: str) -> Any:
-    """The lines of `path` from the first one that contains `first` to the next one that contains `last`, under a
-    comment that names the file and the lines, with syntax highlighting (the rest of the file is one click away)."""
-    from IPython.display import Code
-
-    lines = Path(path).read_text().splitlines()
-    start = next(index for index, line in enumerate(lines) if first in line)
-    end = next(index for index in range(start, len(lines)) if last in lines[index])
-    shown = textwrap.dedent("\n".join(lines[start:end + 1]))
-    return Code(f"# {Path(path).name}, lines {start + 1}-{end + 1}\n{shown}", language="python")
 
 
 def tensors(run: Run, operation: str) -> tuple[list[list[float]], list[list[float]]]:

@@ -88,19 +88,6 @@ def coloured_diff(old: Path, new: Path, context: int = 1, fold_before: str | Non
     return HTML(pre(shown) + rest)
 
 
-def folded_listing(path: Path, summary: str):
-    """A script, syntax-highlighted inside a closed <details> fold that says what it is: open it to read."""
-    from IPython.display import HTML
-    from pygments import highlight
-    from pygments.formatters import HtmlFormatter
-    from pygments.lexers import PythonLexer
-
-    code = highlight(Path(path).read_text(), PythonLexer(), HtmlFormatter(noclasses=True, nobackground=True))
-    lines = len(Path(path).read_text().splitlines())
-    return HTML(f"<details><summary><b>{html.escape(Path(path).name)}</b> ({lines} lines): "
-                f"{html.escape(summary)}. Click to open.</summary>{code}</details>")
-
-
 # ---------------------------------------------------------------- the article's tutorial, as printed
 
 

@@ -6,12 +6,12 @@ from helpers.lessons.collectives import (
     bandwidth_rows,
     bus_factor,
     check_all_gather,
-    excerpt,
     fit_latency_bandwidth,
     format_bytes,
     owner,
     predict_allreduce_seconds,
 )
+from helpers.lessons.listing import excerpt
 
 
 def test_fit_recovers_latency_and_bandwidth():
