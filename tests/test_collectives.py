@@ -1,9 +1,11 @@
 """Lesson 01's library (helpers.lessons.collectives) and the exercise's check. The collectives_* workers are launched,
 and asserted, by the lesson (notebooks/01_collectives.ipynb, under pytest --nbval); here only what the lesson does
 not check: the hand-written ring on one rank and on chunks of unequal size, and that the exercise's check says "Not
-yet" to a stub, to a deadlock and to a crash (naming the learner's line). What launches nothing is tested in
-tests/fast/test_collectives_no_launch.py. The check on the starting code and on the solution is asserted by the
-lesson (its exercise's two check cells, under nbval)."""
+yet", naming the mistake, to a send deadlock and a lost message (read from where the ranks wait), to tensors out of
+order, to a collective hidden from the source (torch's flight recorder), to a stub and to a crash (naming the
+learner's line), and "Correct" to answers built differently. What launches nothing (the missing wait()s among
+them) is tested in tests/fast/test_collectives_no_launch.py. The check on the starting code and on the solution is
+asserted by the lesson (its exercise's two check cells, under nbval)."""
 
 import pytest
 
@@ -34,12 +36,72 @@ def test_hand_written_ring_matches_all_reduce_and_sends_the_ring_share(nproc, nu
     assert all(members == list(range(nproc)) for rank in holdings[-1] for members in rank)
 
 
-def test_exercise_check_reports_a_deadlock(tmp_path, capsys):
-    stuck = tmp_path / "stuck.py"
-    stuck.write_text("import time\nprint('ready', flush=True)\ntime.sleep(30)\n")
-    assert not check_all_gather(stuck, nproc=1, timeout=3)
+SOLUTION = (WORKERS / "collectives_all_gather_solution.py").read_text()
+POSTS = ("            requests.append(dist.isend(tensor, dst=other))\n"
+         "            requests.append(dist.irecv(gathered[other], src=other))\n")
+
+
+def learners_answer(tmp_path, name, old, new):
+    """The solution with one change a learner might make (`old` must be in it)."""
+    assert old in SOLUTION
+    script = tmp_path / name
+    script.write_text(SOLUTION.replace(old, new))
+    return script, script.read_text().splitlines()
+
+
+def test_exercise_check_reads_a_send_deadlock_from_where_the_ranks_wait(tmp_path, capsys):
+    script, lines = learners_answer(tmp_path, "stuck.py", POSTS,
+                                    "            dist.send(tensor, dst=other)\n"
+                                    "            dist.recv(gathered[other], src=other)\n")
+    line = lines.index("            dist.send(tensor, dst=other)") + 1
+    assert not check_all_gather(script, nproc=2, timeout=3)
     said = capsys.readouterr().out
-    assert "deadlock" in said and "rank 0: " in said and "stuck.py:3" in said, said  # says where the rank waits
+    assert f"rank 0: waiting in dist.send at stuck.py:{line}" in said, said
+    assert "sat in a blocking dist.send" in said and "deadlock" in said, said
+
+
+def test_exercise_check_reads_a_lost_message_from_where_the_ranks_wait(tmp_path, capsys):
+    """Every rank posts its receives and waits, and nobody sends: the message must name a lost message (recv,
+    wait()), not a send deadlock."""
+    script, lines = learners_answer(tmp_path, "no_send.py", POSTS,
+                                    "            requests.append(dist.irecv(gathered[other], src=other))\n")
+    line = lines.index("        request.wait()") + 1
+    assert not check_all_gather(script, nproc=2, timeout=3)
+    said = capsys.readouterr().out
+    assert f"rank 1: in request.wait at no_send.py:{line}" in said, said
+    assert "waited for a message that never completed" in said and "blocking dist.send" not in said, said
+
+
+def test_exercise_check_names_messages_out_of_order_and_a_collective_torch_recorded(tmp_path, capsys):
+    # every tensor arrives, in the wrong entries (as a recv without src= files them in arrival order); here
+    # rank 0 files rank 1's tensor under entry 0 and its own under entry 1
+    order, _ = learners_answer(tmp_path, "order.py", "    return gathered\n",
+                               "    return gathered[::-1] if rank == 0 else gathered\n")
+    assert not check_all_gather(order, nproc=2)
+    said = capsys.readouterr().out
+    assert "rank 0 holds every rank's tensor, but out of order: its entry 0 is rank 1's tensor" in said, said
+    assert "recv(..., src=j)" in said
+    hidden = tmp_path / "hidden.py"  # a collective the source does not name: torch's own record gives it away
+    loop = "    for other in range(world_size):\n        if other != rank:\n" + POSTS
+    assert loop in SOLUTION
+    hidden.write_text(SOLUTION.replace(loop, "    getattr(dist, 'all_' + 'gather')(gathered, tensor)\n"))
+    assert not check_all_gather(hidden, nproc=2)
+    assert "torch recorded a dist.all_gather call while your script ran" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name, old, new", [
+    ("batched.py", POSTS, "            requests += dist.batch_isend_irecv([\n"
+                          "                dist.P2POp(dist.isend, tensor, other), "
+                          "dist.P2POp(dist.irecv, gathered[other], other)])\n"),
+    ("ordered.py", POSTS, "            first, second = ((dist.send, dist.recv) if rank < other\n"
+                          "                             else (dist.recv, dist.send))\n"
+                          "            first(tensor if first is dist.send else gathered[other], other)\n"
+                          "            second(tensor if second is dist.send else gathered[other], other)\n"),
+])
+def test_exercise_check_passes_answers_built_differently(tmp_path, capsys, name, old, new):
+    """batch_isend_irecv, and blocking send/recv ordered so that each pair cannot deadlock."""
+    script, _ = learners_answer(tmp_path, name, old, new)
+    assert check_all_gather(script, nproc=3), capsys.readouterr().out
 
 
 def test_exercise_check_names_the_unfilled_own_slot_and_refuses_an_imported_collective(tmp_path, capsys):

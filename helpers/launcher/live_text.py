@@ -108,8 +108,9 @@ def broken_message(stuck_where: dict[int, str]) -> str:
     ranks = ", ".join(str(rank) for rank in sorted(stuck_where))
     places = "".join(f"\n  rank {rank}: {where}" for rank, where in sorted(stuck_where.items()))
     return (f"The process group is broken: rank{'s' if len(stuck_where) > 1 else ''} {ranks} did not stop.{places}\n"
-            f"A collective waits inside C++ (gloo's or nccl's wait), where Python cannot interrupt it, and the other "
-            f"ranks can no longer match its collectives. {RESTART}")
+            f"A rank waits inside C++ (in gloo's wait; an nccl collective returns once queued, and a later GPU sync "
+            f"waits instead), where Python cannot interrupt it, and the other ranks can no longer match its "
+            f"collectives. {RESTART}")
 
 
 def cell_stack(log_text: str, read_line=linecache.getline) -> str | None:

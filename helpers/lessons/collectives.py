@@ -10,6 +10,7 @@ Taught in notebooks/01_collectives.ipynb.
 """
 from __future__ import annotations
 
+import ast
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,11 +20,13 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.patches import Rectangle
 
+from helpers.kit import WORKERS
 from helpers.launcher.api import LaunchTimeout, Run, WorkerFailed, launch
 from helpers.lessons.checks import announce_run, correct, each_rank, not_yet, not_yet_crashed
 
 RANK_COLOURS = plt.get_cmap("tab10").colors
 COMBINED_COLOUR = "0.75"  # a number made by adding several ranks' numbers
+CHECK_HARNESS = WORKERS / "collectives_all_gather_check.py"
 
 
 def tensors(run: Run, operation: str) -> tuple[list[list[float]], list[list[float]]]:
@@ -228,27 +231,100 @@ def _collective_used(source: str) -> str | None:
     return found.group(1) if found else None
 
 
+_REQUEST_CALLS = {"isend", "irecv", "batch_isend_irecv"}
+_WAIT_CALLS = {"wait", "wait_all"}
+
+
+def _called_name(node: ast.AST) -> str | None:
+    """The name a call calls (`dist.isend(...)` -> "isend"), or None when `node` is not a call."""
+    if not isinstance(node, ast.Call):
+        return None
+    return node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+
+
+def _unwaited_requests(source: str) -> str | None:
+    """What a script does wrong with the requests isend/irecv return, said with its line; None when nothing is.
+    A request thrown away (`dist.isend(...)` as a statement, or a list of them built and dropped), or requests
+    never waited for (no wait() anywhere in the script)."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return None  # the launch reports it, with its line
+    for statement in ast.walk(tree):
+        if not isinstance(statement, ast.Expr):
+            continue
+        value = statement.value
+        if isinstance(value, (ast.ListComp, ast.GeneratorExp)):
+            value = value.elt
+        calls = value.elts if isinstance(value, (ast.List, ast.Tuple)) else [value]
+        thrown = next((name for name in map(_called_name, calls) if name in _REQUEST_CALLS), None)
+        if thrown:
+            return (f"line {statement.lineno} throws away the request that dist.{thrown}(...) returns, so nothing "
+                    "ever wait()s for it. Keep every request isend and irecv return (in a list) and call wait() on "
+                    "each before you read the gathered tensors")
+    names = {_called_name(node) for node in ast.walk(tree)}
+    if names & _REQUEST_CALLS and not names & _WAIT_CALLS:
+        return ("your requests from isend/irecv are never waited for (there is no wait() in the script). Call "
+                "wait() on every one before you read the gathered tensors")
+    return None
+
+
+def _reading_of_a_hang(where: dict[int, str]) -> str:
+    """What the places the ranks waited in say about the mistake (read from `where`, not guessed)."""
+    sending = sorted(rank for rank, line in where.items() if line.startswith("waiting in dist.send"))
+    receiving = sorted(rank for rank, line in where.items()
+                       if line.startswith("waiting in dist.recv") or re.match(r"in [\w.]*\.wait at ", line))
+    if sending and not receiving:
+        return (f"Rank{'s' if len(sending) > 1 else ''} {', '.join(map(str, sending))} sat in a blocking dist.send: "
+                "gloo's send returns only once its partner has posted the matching recv, and the partner was itself "
+                "in send. That is the deadlock of the lesson's send/recv section: use isend/irecv and wait() on them "
+                "all, or let one rank of each pair receive first")
+    if receiving:
+        return (f"Rank{'s' if len(receiving) > 1 else ''} {', '.join(map(str, receiving))} waited for a message that "
+                "never completed, in recv or in a request's wait(): a receive whose message was never sent (or "
+                "was sent to another rank: check each src= and dst=), or a send that no rank receives")
+    return "No rank was in send or recv: the lines above say what each one waited for"
+
+
+def _collectives_recorded(run: Run) -> str | None:
+    """A data-moving collective torch's flight recorder logged on any rank (the harness hands them back), else None."""
+    for rank in sorted(run.results):
+        for name in run.results[rank].get("collectives", []):
+            operation = name.split(":", 1)[-1].split(" ")[0]
+            if re.search(r"gather|scatter|reduce|broadcast|all_?to_?all", operation):
+                return operation
+    return None
+
+
 def check_all_gather(script: str | Path, nproc: int = 3, timeout: float = 60) -> bool:
     """The exercise: does `script` build all_gather from point-to-point ops? Prints why or why not.
 
     The script must give rank r the tensor [10r, 10r+1, 10r+2], build the gathered list without
-    dist.all_gather or any other collective, and hand it back with result(gathered=[...]).
+    dist.all_gather or any other collective, and hand it back with result(gathered=[...]). It runs under
+    helpers/workers/collectives_all_gather_check.py, which also hands back the collectives torch recorded.
     """
     source = Path(script).read_text()
     called = _collective_used(source)
     if called:  # a broadcast per rank, or an all_reduce of padded tensors, also gives the right answer
         return not_yet(f"build it from send/recv (or isend/irecv), without calling dist.{called} "
                        "or any other collective (the exercise allows send, recv, isend and irecv only).")
+    unwaited = _unwaited_requests(source)
+    if unwaited:  # timing decides what such a script does (garbage, a hang, or by luck the right answer)
+        return not_yet(f"{unwaited}: until wait() returns, a receive may not have arrived yet, and with gloo a "
+                       "request that is thrown away can be cancelled before its message moves.")
     announce_run(Path(script).name, nproc, timeout, stop_after=10)
     try:
-        run = launch(script, nproc=nproc, echo=False, timeout=timeout)
+        run = launch(CHECK_HARNESS, nproc=nproc, args=[str(Path(script).resolve())], echo=False, timeout=timeout)
     except LaunchTimeout as error:
-        return not_yet(f"the script was still running after {timeout:g} s. A deadlock? "
-                       f"(two ranks that both block in send, each waiting for the other to receive) "
-                       f"Next time, press Stop (■) as soon as it seems stuck: the launcher says the same at once. "
-                       f"Where each rank was:{each_rank(error.where)}")
+        return not_yet(f"the script was still running after {timeout:g} s. Where each rank was:"
+                       f"{each_rank(error.where)}\n{_reading_of_a_hang(error.where)}. Next time, press Stop (■) "
+                       "as soon as it seems stuck: the launcher says where each rank waits at once.")
     except WorkerFailed as error:
         return not_yet_crashed(error, f"{Path(script).name}")
+    recorded = _collectives_recorded(run)
+    if recorded:
+        return not_yet(f"torch recorded a dist.{recorded} call while your script ran: build it from send/recv (or "
+                       "isend/irecv) only, without any collective.")
     expected = [[10.0 * rank + i for i in range(3)] for rank in range(nproc)]
     for rank in range(nproc):
         got: Any = run.results.get(rank, {}).get("gathered")
@@ -261,6 +337,12 @@ def check_all_gather(script: str | Path, nproc: int = 3, timeout: float = 60) ->
             k = strangers[0]
             return not_yet(f"on rank {rank}, entry {k} holds {got[k]}, values no rank sent: did you wait() on every "
                            f"irecv before reading? (expected {expected[k]})")
+        if isinstance(got, list) and sorted(got) == expected and got != expected:
+            k = next(k for k in range(nproc) if got[k] != expected[k])
+            return not_yet(f"rank {rank} holds every rank's tensor, but out of order: its entry {k} is rank "
+                           f"{expected.index(got[k])}'s tensor {got[k]}. Entry j must be rank j's tensor: receive "
+                           f"it with recv(..., src=j) into entry j (a recv without src takes whichever message "
+                           f"comes first).")
         if got != expected:
             return not_yet(f"rank {rank} gathered {got}, expected {expected}.")
     return correct(f"each of {nproc} ranks holds every rank's tensor, in rank order, "

@@ -48,9 +48,11 @@ def allreduce_seconds(size_bytes: float, world_size: int, latency: float, bandwi
 
 
 def allreduce_figure(latency: float, bandwidth: float, world_size: int = 8, size_bytes: float = 2**24,
-                     measured: tuple[Sequence[float], Sequence[float]] | None = None, ax: Any = None) -> Any:
+                     measured: tuple[Sequence[float], Sequence[float]] | None = None, ax: Any = None,
+                     ratios: Sequence[float] | None = None) -> Any:
     """Ring and tree models of all_reduce time against message size for `world_size` ranks, with the 2-rank fit
-    and the 2-rank measurements it came from."""
+    and the 2-rank measurements it came from. `ratios` (measured / fit, one per measured size): the sizes where the
+    fit misses by more than 25% are marked, and the title says so when the chosen size is one of them."""
     if ax is None:
         _, ax = plt.subplots(figsize=FIGSIZE, dpi=80, layout="constrained")
     sizes = [2.0**k for k in range(10, 31)]
@@ -63,11 +65,22 @@ def allreduce_figure(latency: float, bandwidth: float, world_size: int = 8, size
                         "-", label=f"{world_size} ranks, {algorithm} model")
         chosen[algorithm] = allreduce_seconds(size_bytes, world_size, latency, bandwidth, algorithm)
         ax.plot([size_bytes], [chosen[algorithm] * 1e3], "*", color=line.get_color(), markersize=12)
+    missed = {}
     if measured is not None:
         ax.plot(measured[0], [t * 1e3 for t in measured[1]], "o", label="measured here, 2 ranks")
+        missed = {size: (t, ratio) for size, t, ratio in zip(*measured, ratios or [], strict=False)
+                  if abs(ratio - 1) > 0.25}
+    if missed:
+        ax.plot(list(missed), [t * 1e3 for t, _ in missed.values()], "x", color="red", markersize=12,
+                label="the fit misses by > 25%: the models are no guide here")
+        for size, (t, ratio) in missed.items():
+            ax.annotate(f"{ratio:.2f}x", (size, t * 1e3), textcoords="offset points", xytext=(6, 6), color="red",
+                        fontsize="small")
+    miss = missed.get(size_bytes)
     ax.set(xscale="log", yscale="log", xlabel="message size (bytes)", ylabel="all_reduce time (ms)",
            title=f"{format_bytes(size_bytes)} on {world_size} ranks: ring {chosen['ring'] * 1e3:.3g} ms, "
-                 f"tree {chosen['tree'] * 1e3:.3g} ms (models)")
+                 f"tree {chosen['tree'] * 1e3:.3g} ms (models)"
+                 + (f"\nthe 2-rank fit misses the measurement at this size by {miss[1]:.2f}x" if miss else ""))
     ax.legend(fontsize="small")
     ax.grid(alpha=0.3, which="both")
     return ax
@@ -178,13 +191,15 @@ def _explorer(draw, **controls) -> Any:
 
 
 def allreduce_explorer(latency: float, bandwidth: float, sizes: Sequence[float] | None = None,
-                       seconds: Sequence[float] | None = None) -> Any:
-    """Message size and world size: the ring and tree models from this machine's fitted latency and bandwidth."""
+                       seconds: Sequence[float] | None = None, ratios: Sequence[float] | None = None) -> Any:
+    """Message size and world size: the ring and tree models from this machine's fitted latency and bandwidth
+    (`ratios`: the fit's residuals at `sizes`, to mark where it misses)."""
     import ipywidgets as widgets
 
     measured = (sizes, seconds) if sizes is not None and seconds is not None else None
     return _explorer(
-        lambda size_bytes, world_size: allreduce_figure(latency, bandwidth, world_size, size_bytes, measured),
+        lambda size_bytes, world_size: allreduce_figure(latency, bandwidth, world_size, size_bytes, measured,
+                                                        ratios=ratios),
         size_bytes=widgets.SelectionSlider(options=[(format_bytes(2**k), 2**k) for k in range(10, 31)],
                                            value=2**24, description="message"),
         world_size=widgets.SelectionSlider(options=[2**k for k in range(1, 11)], value=8, description="world size"))

@@ -131,8 +131,9 @@ def fork_probe(calls: tuple[str, ...] = ("torch.cuda.is_available()", "torch.cud
     return rows
 
 
-def fork_this_process() -> dict:
-    """Fork a child from this process (the notebook's kernel) and let it try `torch.cuda.init()`."""
+def fork_this_process(parent_did: str = "this kernel") -> dict:
+    """Fork a child from this process (the notebook's kernel) and let it try `torch.cuda.init()`. `parent_did`
+    labels the row: what this process asked torch about CUDA before (the child inherits that)."""
     import torch
 
     read_end, write_end = os.pipe()
@@ -150,7 +151,7 @@ def fork_this_process() -> dict:
     with os.fdopen(read_end) as pipe:
         said = pipe.read()
     os.waitpid(pid, 0)
-    return {"parent did": "this kernel's cells so far", "child said": _first_sentence(said),
+    return {"parent did": parent_did, "child said": _first_sentence(said),
             "refused": POISONED in said}
 
 
@@ -191,11 +192,15 @@ def torchrun_in_a_terminal(script: str | Path, variants: dict[str, list[str]], n
 
     stop_launch_server(before="torchrun's fresh interpreters")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
-    outputs = {}
+    outputs: dict[str, str] = {}
+    took = None
     for name, args in variants.items():
         command = ["torchrun", "--standalone", f"--nproc-per-node={nproc}", os.path.relpath(script, REPO_ROOT),
                    *map(str, args)]
-        print(f"[{name}] $ {' '.join(command)}   (3 fresh interpreters import torch: a few seconds)", flush=True)
+        expect = (f"about as long as the last one, {took:.1f} s" if took is not None else
+                  f"{nproc + 1} fresh interpreters, torchrun's and {nproc} workers', each import torch before the "
+                  "first step: far slower than a launch forked from this kernel's launch server")
+        print(f"[{name}] $ {' '.join(command)}   ({expect})", flush=True)
         started = time.perf_counter()
         process = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *command[1:]], cwd=REPO_ROOT,
                                    env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -217,7 +222,7 @@ def torchrun_in_a_terminal(script: str | Path, variants: dict[str, list[str]], n
         finally:
             quiet.set()
             process.kill()
-        print(f"[{name}] torchrun exited with code {process.returncode} after "
-              f"{time.perf_counter() - started:.1f} s", flush=True)
+        took = time.perf_counter() - started
+        print(f"[{name}] torchrun exited with code {process.returncode} after {took:.1f} s", flush=True)
         outputs[name] = _shorter("".join(lines))
     return outputs

@@ -1,7 +1,12 @@
 """Lesson 01's library (helpers.lessons.collectives) without a launch: the latency/bandwidth fit, the ring model, bus
-bandwidth, and the exercise check's refusal of a collective before it launches anything."""
+bandwidth, the exercise check's refusal of a collective and of requests never waited for before it launches anything,
+its reading of a hang and of torch's record of the collectives, and the private torch API that record comes from."""
+from pathlib import Path
+
 import pytest
 
+from helpers import WORKERS
+from helpers.launcher.api import Run
 from helpers.lessons.collectives import (
     bandwidth_rows,
     bus_factor,
@@ -92,3 +97,99 @@ def test_excerpt_shows_the_marked_lines_and_names_them(tmp_path):
     script.write_text("import torch\n\n\ndef f():\n    a = 1\n    return a\n")
     shown = excerpt(script, "def f", "return a").data
     assert shown == "# worker.py, lines 4-6\ndef f():\n    a = 1\n    return a"
+
+
+SOLUTION = (WORKERS / "collectives_all_gather_solution.py").read_text()
+POSTS = ("            requests.append(dist.isend(tensor, dst=other))\n"
+         "            requests.append(dist.irecv(gathered[other], src=other))\n")
+
+
+@pytest.mark.parametrize("new, thrown", [
+    # the isend's request thrown away, then a blocking recv (gloo can cancel the send: every rank waits in recv)
+    ("            dist.isend(tensor, dst=other)\n            dist.recv(gathered[other], src=other)\n", "isend"),
+    # the irecv's request thrown away: its buffer is read before anything arrived, or the sender waits forever
+    ("            requests.append(dist.isend(tensor, dst=other))\n            dist.irecv(gathered[other], src=other)\n",
+     "irecv"),
+    # requests built in one statement and dropped with it
+    ("            [dist.isend(tensor, dst=other), dist.irecv(gathered[other], src=other)]\n", "isend"),
+    ("            requests.append(dist.irecv(gathered[other], src=other))\n"
+     "    [dist.isend(tensor, dst=o) for o in range(world_size) if o != rank]\n", "isend"),
+])
+def test_exercise_check_names_a_request_thrown_away_before_launching(tmp_path, capsys, new, thrown):
+    assert POSTS in SOLUTION
+    script = tmp_path / "my_all_gather.py"
+    script.write_text(SOLUTION.replace(POSTS, new))
+    line = next(number for number, text in enumerate(script.read_text().splitlines(), 1)
+                if f"dist.{thrown}(" in text and "append" not in text)
+    assert not check_all_gather(script)
+    out = capsys.readouterr().out
+    assert "Running" not in out, "it launched: the mistake is in the source, and a launch may hang on it"
+    assert f"Not yet: line {line} throws away the request that dist.{thrown}(...) returns" in out, out
+    assert "call wait() on each" in out, out
+
+
+def test_exercise_check_names_requests_kept_but_never_waited_for(tmp_path, capsys):
+    script = tmp_path / "my_all_gather.py"
+    script.write_text(SOLUTION.replace("    for request in requests:\n        request.wait()\n", ""))
+    assert not check_all_gather(script)
+    assert "never waited for (there is no wait() in the script)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("posts", [
+    POSTS,  # the solution
+    "            dist.isend(tensor, dst=other).wait()\n"
+    "            requests.append(dist.irecv(gathered[other], other))\n",
+    "            requests += [dist.isend(tensor, other), dist.irecv(gathered[other], other)]\n",
+    "            requests += dist.batch_isend_irecv([dist.P2POp(dist.irecv, gathered[other], other)])\n",
+])
+def test_requests_kept_and_waited_for_are_not_refused(posts):
+    from helpers.lessons.collectives import _unwaited_requests
+
+    assert _unwaited_requests(SOLUTION.replace(POSTS, posts)) is None
+    assert _unwaited_requests(SOLUTION.replace(POSTS, posts).replace(
+        "    for request in requests:\n        request.wait()\n",
+        "    torch.futures.wait_all([request.get_future() for request in requests])\n")) is None
+
+
+def test_a_hang_is_read_from_where_the_ranks_wait():
+    from helpers.lessons.collectives import _reading_of_a_hang
+
+    sends = _reading_of_a_hang({0: "waiting in dist.send at a.py:9", 1: "waiting in dist.send at a.py:9"})
+    assert sends.startswith("Ranks 0, 1 sat in a blocking dist.send") and "deadlock" in sends
+    lost = _reading_of_a_hang({0: "waiting in dist.recv at a.py:12", 1: "in request.wait at a.py:14",
+                               2: "not in a.py: it has returned, or not started yet"})
+    assert lost.startswith("Ranks 0, 1 waited for a message that never completed") and "deadlock" not in lost
+    assert _reading_of_a_hang({0: "in time.sleep at a.py:3"}).startswith("No rank was in send or recv")
+
+
+def test_the_collectives_torch_recorded_are_read_by_name():
+    from helpers.lessons.collectives import _collectives_recorded
+
+    def run(*names):
+        return Run("x.py", 2, Path("."), results={0: {"collectives": list(names)}, 1: {}})
+
+    assert _collectives_recorded(run("gloo:barrier", "nccl:send 0->1", "nccl:recv 1->0")) is None
+    for name, operation in (("gloo:all_gather", "all_gather"), ("nccl:_allgather_base", "_allgather_base"),
+                            ("gloo:broadcast", "broadcast"), ("gloo:alltoall_base", "alltoall_base"),
+                            ("gloo:reduce_scatter", "reduce_scatter")):
+        assert _collectives_recorded(run("gloo:barrier", name)) == operation
+
+
+def test_pin_torchs_flight_recorder_logs_gloo_collectives_by_name():
+    """helpers/workers/collectives_all_gather_check.py hands back what this private API logged, so that the exercise's
+    check refuses a collective the source hides (getattr(dist, "all_" + "gather")). If torch stops logging gloo's
+    collectives there, or renames them, this fails instead of the check passing such an answer."""
+    import json
+
+    import torch
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import _dump_fr_trace_json
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        getattr(dist, "all_" + "gather")([torch.empty(2)], torch.ones(2))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()  # the record outlives the group, as the harness needs
+    names = [entry["profiling_name"] for entry in json.loads(_dump_fr_trace_json())["entries"]]
+    assert names[-2:] == ["gloo:all_gather", "gloo:barrier"], names

@@ -46,6 +46,17 @@ def test_allreduce_figure_draws_ring_and_tree_at_once():
     assert f"ring {ring:.3g} ms" in ax.get_title()
 
 
+def test_allreduce_figure_marks_the_sizes_where_the_fit_misses():
+    """The lesson's fit misses some sizes by 2x: the figure must not draw the models there as if they held."""
+    measured = ([2.0**10, 2.0**20, 2.0**24], [0.8e-3, 2.7e-3, 20e-3])
+    ax = explorers.allreduce_figure(LATENCY, BANDWIDTH, 8, 2**10, measured, ratios=[2.02, 1.0, 0.7])
+    crosses = next(line for line in ax.get_lines() if line.get_label().startswith("the fit misses"))
+    assert list(crosses.get_xdata()) == [2.0**10, 2.0**24]  # 1.0 is within 25%; 2.02 and 0.7 are not
+    assert "misses the measurement at this size by 2.02x" in ax.get_title()
+    ax = explorers.allreduce_figure(LATENCY, BANDWIDTH, 8, 2**20, measured, ratios=[2.02, 1.0, 0.7])
+    assert "misses" not in ax.get_title()
+
+
 def test_default_cap_is_not_the_same_as_an_explicit_25():
     default, explicit = explorers.ddp_buckets(mlp(256, 14), None), explorers.ddp_buckets(mlp(256, 14), 25)
     assert default["rebuilt"][0] <= 2**20 + 2**17  # the 1 MiB first bucket (plus one whole tensor over the cap)
