@@ -145,10 +145,13 @@ def simulated_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_layo
     """Every rank's ring-attention output, computed in one process from the whole q, k, v [B, H, S, d].
 
     mistake: one of MISTAKES, or None for the right answer; steps: stop the ring after this many steps;
-    label_off: for "block labelled one step off", which way (-1 or +1, LABEL_OFF_BY)."""
-    if mistake == "block labelled one step off" and label_off not in LABEL_OFF_BY:
-        raise ValueError(f"label_off must be one of {LABEL_OFF_BY} for {mistake!r}")
-    label_off = label_off if mistake == "block labelled one step off" else 0
+    label_off: for "block labelled one step off", which way (LABEL_OFF_BY; -1, one step behind, by default)."""
+    if mistake == "block labelled one step off":
+        label_off = -1 if label_off is None else label_off
+        if label_off not in LABEL_OFF_BY:
+            raise ValueError(f"label_off must be one of {LABEL_OFF_BY}, not {label_off}")
+    else:
+        label_off = 0
     world_size = len(chunk_layout)
     n_chunks = sum(len(row) for row in chunk_layout)
     seq = q.shape[-2]
