@@ -1,8 +1,9 @@
 """Lesson 01's library (helpers.lessons.collectives) and the exercise's check. The collectives_* workers are launched,
 and asserted, by the lesson (notebooks/01_collectives.ipynb, under pytest --nbval); here only what the lesson does
 not check: the hand-written ring on one rank and on chunks of unequal size, and that the exercise's check says "Not
-yet" to a stub and to a deadlock. What launches nothing is tested in tests/fast/test_collectives_no_launch.py. The
-check on the starting code and on the solution is asserted by the lesson (nbval's Cells 40 and 41)."""
+yet" to a stub, to a deadlock and to a crash (naming the learner's line). What launches nothing is tested in
+tests/fast/test_collectives_no_launch.py. The check on the starting code and on the solution is asserted by the
+lesson (its exercise's two check cells, under nbval)."""
 
 import pytest
 
@@ -10,6 +11,7 @@ from helpers import WORKERS, launch
 from helpers.lessons.collectives import (
     bus_factor,
     check_all_gather,
+    ring_holdings,
 )
 
 
@@ -25,6 +27,11 @@ def test_hand_written_ring_matches_all_reduce_and_sends_the_ring_share(nproc, nu
         assert abs(outcome["bytes_sent"] - share) <= 2 * (nproc - 1) * 4  # at most a float per step
         if outcome["ring_os_bytes"] is not None:  # Linux: the OS saw at least those bytes, plus headers
             assert share <= outcome["ring_os_bytes"] <= share + 1024 * max(nproc - 1, 0)
+    # the lesson's picture: after the reduce-scatter rank r owns chunk (r+1) % N whole; at the end every chunk is
+    holdings = ring_holdings(run)
+    assert len(holdings) == 2 * (nproc - 1) + 1
+    assert all(len(holdings[nproc - 1][r][(r + 1) % nproc]) == nproc for r in range(nproc))
+    assert all(members == list(range(nproc)) for rank in holdings[-1] for members in rank)
 
 
 def test_exercise_check_reports_a_deadlock(tmp_path, capsys):
@@ -81,3 +88,17 @@ def test_exercise_check_asks_about_wait_when_an_entry_holds_values_no_rank_sent(
     assert not check_all_gather(script)
     out = capsys.readouterr().out
     assert "entry 1 holds [-1.0, -1.0, -1.0], values no rank sent: did you wait() on every irecv" in out
+
+
+def test_exercise_check_names_the_learners_line_when_the_script_crashes(tmp_path, capsys):
+    """A learner's all_gather that raises (here: one slot too many) gets the rank, its own file:line and the error."""
+    solution = (WORKERS / "collectives_all_gather_solution.py").read_text()
+    mistake = "    gathered = [torch.empty_like(tensor) for _ in range(world_size)]\n"
+    assert mistake in solution
+    script = tmp_path / "my_all_gather.py"
+    script.write_text(solution.replace(mistake, mistake + "    gathered[world_size].zero_()\n"))
+    line = script.read_text().splitlines().index("    gathered[world_size].zero_()") + 1
+    assert not check_all_gather(script)
+    out = capsys.readouterr().out
+    assert "Not yet: my_all_gather.py crashed on rank " in out and f"my_all_gather.py:{line}" in out, out
+    assert "IndexError: list index out of range" in out and "rank<N>.log" in out, out

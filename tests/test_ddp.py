@@ -1,8 +1,8 @@
 """Lesson 02's launches that the lesson does not assert: ddp_train.py's --steps and its one-process command, the
 one-process reference of the exercise's check, and the check's "Not yet" to wrong workers (a missing DDP, a wrong
 batch, a shuffled sampler, a missing or unaveraged all_reduce, a hang, a collective on rank 0 only, prints on every
-rank). The check on the starting code and on both solutions is asserted by the lesson (notebooks/02_ddp.ipynb,
-nbval's Cells 41 and 42); what launches nothing is in tests/fast/test_ddp_no_launch.py."""
+rank, a crash in the learner's own line). The check on the starting code and on both solutions is asserted by the lesson
+(notebooks/02_ddp.ipynb, nbval's Cells 42 and 43); what launches nothing is in tests/fast/test_ddp_no_launch.py."""
 import os
 import subprocess
 import sys
@@ -136,3 +136,17 @@ def test_exercise_check_says_a_rank_left_when_a_collective_runs_on_rank_0_only(t
     else:  # gloo, always here: no rank raised, rank 1 left while rank 0 waited; the check says what that means
         assert verdict.startswith("Not yet: your script failed on 2 ranks: rank 1 failed first, with no Python error")
         assert "every rank must call the same collectives in the same order" in verdict
+
+
+def test_exercise_check_names_the_learners_line_when_the_script_crashes(tmp_path, capsys):
+    """A crash in the learner's own line gets not_yet_crashed's paragraph: the rank, the learner's file:line, the
+    error, and the run folder."""
+    script = _attempt(tmp_path, "ddp_exercise_solution.py", "    samples_seen = 0\n",
+                      "    samples_seen = 0\n    raise ValueError(f'bad shard on rank {rank}')\n")
+    line = script.read_text().splitlines().index("    raise ValueError(f'bad shard on rank {rank}')") + 1
+    assert not check_ddp_worker(script)
+    out = capsys.readouterr().out
+    verdict = out[out.index("Not yet: "):]
+    assert verdict.startswith("Not yet: your script crashed on rank ")
+    assert f"at attempt.py:{line} (in main)" in verdict and "ValueError: bad shard on rank" in verdict
+    assert "Each rank's output and traceback are in " in verdict and "rank<N>.log" in verdict

@@ -103,3 +103,17 @@ def test_with_torchs_store_opt_out_a_replaced_agent_rejoins_and_the_run_is_exact
     assert sorted(r["attempt"] for r in results) == [0, 1]
     assert all(r["world_size"] == 2 and r["steps"] == 6 and r["agent_store"] == "False" for r in results)
     assert torch.equal(torch.tensor(results[0]["parameters"]), reference_weights)
+
+
+def test_a_sigterm_saves_the_step_and_the_resubmitted_job_loses_nothing(reference_weights, tmp_path):
+    """As a terminal torchrun runs it (fresh interpreters; the lesson's run forks its workers): rank 0 sends SIGTERM
+    to its agent at step 3, the agent forwards it, the ranks agree to stop after step 4 and rank 0 saves it. The
+    resubmitted job starts at step 4 and ends with the undisturbed run's weights: no step lost, none redone."""
+    checkpoint = tmp_path / "preempted.pt"
+    with pytest.raises(WorkerFailed, match="SignalException"):  # torchrun ends with the signal it got
+        launch(TRAIN, nproc=2, fresh=True, echo=False,
+               args=[*SMALL, "--checkpoint", checkpoint, "--fail-rank", 0, "--fail-step", 3, "--fail-mode", "preempt"])
+    assert torch.load(checkpoint, weights_only=True)["step"] == 4
+    run = launch(TRAIN, nproc=2, echo=False, args=[*SMALL, "--checkpoint", checkpoint])
+    assert "attempt 0: world size 2, starting at step 4" in run.logs[0]
+    assert torch.equal(torch.tensor(run.results[0]["parameters"]), reference_weights)

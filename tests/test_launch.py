@@ -392,7 +392,7 @@ def test_a_collective_size_mismatch_names_the_line_and_says_what_it_means():
         launch(WORKERS / "size_mismatch.py", nproc=2, echo=False, timeout=60)
     failure = caught.value
     assert failure.where == "size_mismatch.py:7 (in <module>)", str(failure)
-    assert "different sizes" in failure.meaning and "enforce fail" in failure.error
+    assert "disagree on the size" in failure.meaning and "enforce fail" in failure.error
     assert "where: size_mismatch.py:7" in str(failure)
 
 

@@ -1,7 +1,8 @@
 """Lesson 10 (meshes): helpers/kit/transformer.py, helpers/lessons/mesh.py and the mesh_* workers, at the smallest
-sizes. What launches nothing is tested in tests/fast/test_mesh_no_launch.py. The two exercise checks on their
-starting code and on their solutions are asserted by the lesson (notebooks/10_meshes.ipynb, nbval's Cells 34 and 36
-for the TP plan, including "backward one", and Cells 38 and 39 for mesh_for); here, the wrong answers."""
+sizes. What launches nothing is tested in tests/fast/test_mesh_no_launch.py and tests/fast/test_lessons_10_11.py. The
+two exercise checks on their starting code and on their solutions are asserted by the lesson
+(notebooks/10_meshes.ipynb); here, the wrong answers (the TP plan's in one launch, with the answer and a
+right-but-different plan beside them, which cost nothing more there) and a plan file that crashes."""
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ from helpers.lessons.mesh import (
     agrees_with_commdebugmode,
     check_mesh_for,
     check_mlp_plan,
+    check_mlp_plans,
     checkpoint_chunks,
     checkpoint_files,
     expected_counts,
@@ -26,32 +28,59 @@ from helpers.lessons.mesh import (
 )
 
 WORKERS = Path(__file__).resolve().parent.parent / "helpers" / "workers"
-HEADER = "from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel\n" \
-         "from torch.distributed.tensor import Replicate, Shard\n"
+HEADER = ("from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel\n"
+          "from torch.distributed.tensor import Replicate, Shard\n"
+          "\n")
 
 
 @pytest.fixture
 def keep_the_launch_server(monkeypatch):
-    """mesh_groups stops the kernel's launch server before its child imports torch (lesson 10's memory budget; the
-    lesson's Cell 39 shows it). Here the other tests' launches would pay a new server's start for it."""
+    """mesh_groups stops the kernel's launch server before its child imports torch (lesson 10's memory budget).
+    Here the other tests' launches would pay a new server's start for it."""
     monkeypatch.setattr("helpers.launcher.api.stop_launch_server", lambda before=None: None)
 
 
-@pytest.mark.parametrize("plan, words", [
-    ('PLAN = {"w1": ColwiseParallel(), "w2": ColwiseParallel()}', "torch refused the plan"),
-    ('PLAN = {"w1": RowwiseParallel(), "w2": ColwiseParallel()}', "torch refused the plan"),
-    ('PLAN = {"w1": ColwiseParallel(output_layouts=Replicate()), "w2": RowwiseParallel(input_layouts=Replicate())}',
-     "right answer, but"),
-    ('PLAN = {"w1": ColwiseParallel(), "w2": RowwiseParallel(output_layouts=Shard(1))}', "the whole output"),
-    ("plan = {}", "must define PLAN"),
-])
+PLANS = {
+    "answer": ('PLAN = {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()}',
+               "Backward ran two all-reduces"),
+    # right but different: the block's input made one DTensor, so backward sums both terms before one all-reduce
+    "shared input": ('PLAN = {"": PrepareModuleInput(input_layouts=(Replicate(),), '
+                     'desired_input_layouts=(Replicate(),), use_local_output=False), "w1": ColwiseParallel(), '
+                     '"w3": ColwiseParallel(), "w2": RowwiseParallel()}', "Backward runs one all-reduce too"),
+    "starting code": ("PLAN = {}", "w1, w3, w2 are whole"),
+    "no gate": ('PLAN = {"w1": ColwiseParallel(), "w2": RowwiseParallel()}', "element by element"),
+    "gate row-wise": ('PLAN = {"w1": ColwiseParallel(), "w3": RowwiseParallel(), "w2": RowwiseParallel()}',
+                      "torch refused the plan"),
+    "all column-wise": ('PLAN = {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": ColwiseParallel()}',
+                        "torch refused the plan"),
+    "gathered between": ('PLAN = {"w1": ColwiseParallel(output_layouts=Replicate()), "w3": ColwiseParallel('
+                         'output_layouts=Replicate()), "w2": RowwiseParallel(input_layouts=Replicate())}',
+                         "right numbers, but"),
+    "output split": ('PLAN = {"w1": ColwiseParallel(), "w3": ColwiseParallel(), '
+                     '"w2": RowwiseParallel(output_layouts=Shard(1))}', "the whole output"),
+}
 
 
-def test_exercise_check_on_real_launches(plan, words, tmp_path, capsys):
+def test_exercise_check_on_real_launches(tmp_path, capsys):
+    files = []
+    for name, (plan, _) in PLANS.items():
+        files.append(tmp_path / f"{name.replace(' ', '_')}.py")
+        files[-1].write_text(HEADER + plan + "\n")
+    verdicts = check_mlp_plans(files)  # one launch tries them all, each on a fresh block
+    out = capsys.readouterr().out.splitlines()[1:]  # after the announcement
+    assert len(out) == len(PLANS), out
+    for (name, (_, words)), verdict, line in zip(PLANS.items(), verdicts, out, strict=True):
+        assert verdict == line.startswith("Correct: ") == (name in ("answer", "shared input")), (name, line)
+        assert words in line, (name, line)
+
+
+def test_exercise_check_names_the_learners_line_when_the_plan_file_crashes(tmp_path, capsys):
     plan_file = tmp_path / "my_mlp_plan.py"
-    plan_file.write_text(HEADER + plan + "\n")
+    plan_file.write_text(HEADER + 'PLAN = {"w1": ColwiseParallel(), "w2": RowwiseParallel(1 / 0)}\n')
     assert not check_mlp_plan(plan_file)
-    assert words in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "Not yet: the check of my_mlp_plan.py crashed on rank" in out, out
+    assert "my_mlp_plan.py:4" in out and "ZeroDivisionError" in out and "rank<N>.log" in out, out
 
 
 def test_layouts_match_one_process_and_the_plan():

@@ -2,7 +2,7 @@
 (notebooks/05_rpc.ipynb, under pytest --nbval); here only what the lesson does not check: that the counter check says
 "Correct" to the solution and "Not yet", naming the mistake, to each wrong variant. What launches nothing is tested
 in tests/fast/test_rpc_no_launch.py. The check on the starting code and on the solution is asserted by the lesson
-(nbval's Cells 27 and 28)."""
+(nbval's Cells 28 and 29)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -35,7 +35,7 @@ def test_counter_check_catches_a_missing_lock(tmp_path, capsys):
     script = _variant(tmp_path, "no_lock.py", ("with self.lock:", "if True:"))
     assert not check_counter(script)
     out = capsys.readouterr().out
-    assert out.startswith("Not yet: ") and "threading.Lock" in out and "one after another" not in out
+    assert "Not yet: " in out and "threading.Lock" in out and "one after another" not in out
 
 
 def test_counter_check_catches_synchronous_calls(tmp_path, capsys):
@@ -43,10 +43,39 @@ def test_counter_check_catches_synchronous_calls(tmp_path, capsys):
                       ("[future.wait() for future in futures]", "futures"))
     assert not check_counter(script)
     out = capsys.readouterr().out
-    assert out.startswith("Not yet: ") and "one after another" in out and "Lock" not in out
+    assert "Not yet: " in out and "one after another" in out and "Lock" not in out
 
 
 def test_counter_check_catches_a_local_counter(tmp_path, capsys):
     script = _variant(tmp_path, "local.py", ('rpc.remote(f"worker{1 % world_size}", Counter)', "rpc.RRef(Counter())"))
     assert not check_counter(script)
-    assert "create it on worker1" in capsys.readouterr().out
+    assert "the counter was created on 'worker0': create it on worker1" in capsys.readouterr().out
+
+
+def test_counter_check_blames_a_lock_held_during_the_slow_work(tmp_path, capsys):
+    """The walkthrough's third try: the lock around all of add() serializes the calls again, although they were sent
+    with rpc_async; the hint must name the lock, not the sending."""
+    script = _variant(tmp_path, "big_lock.py",
+                      ("        time.sleep(0.1)  # slow work that may run in parallel with other calls\n"
+                       "        with self.lock:", "        with self.lock:\n            time.sleep(0.1)"))
+    assert not check_counter(script)
+    out = capsys.readouterr().out.splitlines()[-1]
+    assert out.startswith("Not yet: ") and "is your lock held during add()'s slow 0.1 s sleep?" in out, out
+    assert "threading.Lock" not in out and "created on" not in out, out
+
+
+def test_counter_check_names_the_learners_line_when_a_call_fails(tmp_path, capsys):
+    """A typo in a remote method's name: the RRef's proxy looks the method up when the call arrives, and the error
+    is raised on worker0 where the future is waited for; the message must name that line of the learner's file."""
+    script = _variant(tmp_path, "typo.py", ("counter.rpc_async().add(1)", "counter.rpc_async().ad(1)"))
+    line = next(number for number, text in enumerate(Path(script).read_text().splitlines(), 1)
+                if "future.wait()" in text)
+    assert not check_counter(script)
+    out = capsys.readouterr().out.splitlines()[-1]
+    assert out.startswith(f"Not yet: typo.py crashed on rank 0 at typo.py:{line} "), out
+    assert "AttributeError" in out and "'ad'" in out and "rank<N>.log" in out, out
+
+
+def test_counter_check_says_when_the_file_is_missing(tmp_path, capsys):
+    assert not check_counter(tmp_path / "my_counter.py")
+    assert "my_counter.py does not exist yet: run the %%writefile cell" in capsys.readouterr().out

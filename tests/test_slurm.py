@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO_ROOT, free_port
-from helpers.lessons.cluster import JobSize, check_slurm_script, write_job_files
+from helpers.lessons.cluster import JobSize, check_slurm_script, second_job_on_a_taken_port, write_job_files
 
 pytestmark = pytest.mark.slow
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "sinfo")
@@ -120,7 +120,9 @@ def test_the_generated_batch_script_runs_under_a_real_slurm(slurm, tmp_path, chd
     files = write_job_files(tmp_path / "job-files", "helpers/workers/fault_tolerance_train.py", size,
                             args=["--steps", "4", "--checkpoint", str(checkpoint), "--checkpoint-every", "2"])
     batch = next(path for path in files if path.name == "job.sbatch")
-    text = batch.read_text().replace(":29500", f":{free_port()}")  # a free rendezvous port for this test
+    # a free rendezvous port for this test: the job-derived one (20000 + job id) may be taken by another test's job
+    text = batch.read_text().replace("RDZV_PORT=$((20000 + SLURM_JOB_ID % 20000))", f"RDZV_PORT={free_port()}")
+    assert "RDZV_PORT=$((" not in text  # the replacement found its line
     if not chdir:
         text = "\n".join(line for line in text.splitlines() if not line.startswith("#SBATCH --chdir")) + "\n"
     batch.write_text(text)
@@ -139,3 +141,11 @@ def test_the_generated_batch_script_runs_under_a_real_slurm(slurm, tmp_path, chd
     assert (REPO_ROOT / checkpoint).resolve() == (tmp_path / "checkpoint.pt").resolve()
     assert (tmp_path / "checkpoint.pt").exists(), f"no checkpoint at <repository>/{checkpoint}; job output:\n{log}"
     print(f"Slurm job {job_id} ran; its output ends:\n{log[-600:]}")
+
+
+def test_a_second_job_on_a_taken_port_joins_its_store_unless_told_it_hosts():
+    """The reviewer's reproduction of the fixed-port hazard: a c10d backend that guesses it is the host falls back
+    to being a client of whatever store holds the port; told is_host=1 it refuses instead."""
+    outcomes = second_job_on_a_taken_port()
+    assert outcomes["is_host guessed"] == "joined a store that says owner=job1", outcomes
+    assert outcomes["is_host=1"].startswith("refused: RendezvousConnectionError"), outcomes

@@ -45,8 +45,7 @@ class Timing:
     def summary(self, kind: str = "wall", unit: float = 1e-3, suffix: str = "ms") -> str:
         """'12.3 ms (11.9-14.0)': the median and, in brackets, the lowest and highest round."""
         low, high = self.spread(kind)
-        return f"{self.median(kind) / unit:.{_digits(high / unit)}f} {suffix} ({low / unit:.{_digits(high / unit)}f}-" \
-               f"{high / unit:.{_digits(high / unit)}f})"
+        return f"{_three(self.median(kind) / unit)} {suffix} ({_three(low / unit)}-{_three(high / unit)})"
 
     def as_dict(self) -> dict[str, Any]:
         return {"name": self.name, "wall": list(self.wall), "cpu": list(self.cpu)}
@@ -56,8 +55,12 @@ class Timing:
         return cls(data["name"], list(data["wall"]), list(data.get("cpu", [])))
 
 
-def _digits(largest: float) -> int:
-    return 0 if largest >= 100 else 1 if largest >= 10 else 2 if largest >= 1 else 3
+def _three(value: float) -> str:
+    """Three significant figures, without an exponent: 0.0123, 1.23, 12.3, 123, 1230."""
+    if value == 0:
+        return "0"
+    digits = max(0, 2 - int(f"{abs(value):e}".split("e")[1]))
+    return f"{value:.{digits}f}"
 
 
 @dataclass

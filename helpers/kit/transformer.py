@@ -59,6 +59,20 @@ class FeedForward(nn.Module):
         return self.w2(nn.functional.silu(self.w1(x)))
 
 
+class GatedFeedForward(nn.Module):
+    """Llama's MLP, w2(silu(w1 x) * w3 x): the gate w3 is what lesson 10's model leaves out. Lesson 10's first
+    exercise writes its tensor-parallel plan (helpers/workers/mesh_plan_check.py)."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(nn.functional.silu(self.w1(x)) * self.w3(x))
+
+
 class Block(nn.Module):
     def __init__(self, dim: int, heads: int, hidden: int) -> None:
         super().__init__()

@@ -48,9 +48,8 @@ class Diagnosis:
 # C++ checks that stop a rank inside a collective, as gloo and c10d word them, and what each means for the learner.
 MEANINGS: list[tuple[re.Pattern, str]] = [
     (re.compile(r"op\.preamble\.length <= op\.nbytes\. (\d+) vs (\d+)"),
-     "a peer sent this rank {0} bytes where it expected at most {1}: the ranks passed tensors of different sizes to "
-     "the same collective (every rank must pass the same shape; the shards of a flat tensor are equal only when it is "
-     "padded to a multiple of the world size)"),
+     "a peer sent this rank {0} bytes where it expected at most {1}: the ranks disagree on the size of a message in "
+     "this collective (tensors of different shapes, or all-to-all split sizes that do not match on both sides)"),
     (re.compile(r"Check failed: \w+Shape\[0\] \* worldSize == \w+Shape\[0\] \((\d+) vs\. (\d+)\)"),
      "a one-tensor reduce-scatter or all-gather needs one tensor exactly world-size times the other ({0} vs. {1}): "
      "the flat tensor's length is not a multiple of the world size (pad it with zeros first)"),

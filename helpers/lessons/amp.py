@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import copy
 import gc
+import re
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 
 import matplotlib.pyplot as plt
 import torch
@@ -171,6 +173,76 @@ def op_dtypes(device_type: str = "cpu", dtype: torch.dtype = torch.bfloat16) -> 
             # raises "expected to have the same dtype". Autocast's promote policy casts both to fp32 first.
             ops["index_copy(lowered, fp32) (autocast: promote)"] = torch.index_copy(low, 0, targets[:2], a[:2])
     return {name: str(out.dtype) for name, out in ops.items()}
+
+
+def cuda_fp32_ops() -> set[str]:
+    """The ops that CUDA autocast runs in fp32, read from the header torch installs (include/ATen/autocast_mode.h,
+    macros AT_FORALL_FP32 and AT_FORALL_FP32_SET_OPT_DTYPE; aten/src/ATen/autocast_mode.cpp registers them for the
+    CUDA autocast key). The CPU's lists are written out in autocast_mode.cpp itself, which is not installed."""
+    text = (Path(torch.__file__).parent / "include" / "ATen" / "autocast_mode.h").read_text()
+    ops: set[str] = set()
+    for macro in ("AT_FORALL_FP32(_)", "AT_FORALL_FP32_SET_OPT_DTYPE(_)"):
+        body = text[text.index(f"#define {macro}"):]
+        ops |= set(re.findall(r"_\((\w+)", body[:body.index("\n\n")]))
+    return ops
+
+
+def overflows_under_autocast(device_type: str = "cpu", dtype: torch.dtype = torch.float16) -> dict[str, str]:
+    """Two ops on a lowered tensor under autocast, each result's dtype and value: the sum of 100,000 ones, and
+    exp(12). Both are far above fp16's largest value (65,504): in fp16 they are inf, in fp32 they are not."""
+    ones, one = torch.ones(100_000, 1, device=device_type), torch.ones(1, 1, device=device_type)
+    with torch.autocast(device_type, dtype=dtype):
+        low = ones @ one  # 100,000 ones, in `dtype`
+        results = {"sum of 100,000 ones": low.sum(), "exp(12)": torch.exp(low[0, 0] * 12)}
+    return {name: f"{str(value.dtype).removeprefix('torch.')} {value.float().item():g}"
+            for name, value in results.items()}
+
+
+def sums_of_ones(count: int = 4096, dtype: torch.dtype = torch.bfloat16) -> dict[str, float]:
+    """`count` ones added up two ways in a 16-bit format: by torch's matmul kernel (a row of ones times a column of
+    ones), and by a running total kept in that format, one addition at a time."""
+    row, column = torch.ones(1, count, dtype=dtype), torch.ones(count, 1, dtype=dtype)
+    running = torch.zeros((), dtype=dtype)
+    for value in row[0]:
+        running = running + value  # rounded to `dtype` after every addition
+    return {"matmul kernel": (row @ column).item(), "running total in 16 bits": running.item()}
+
+
+def mismatch_after_autocast() -> str:
+    """A bf16 activation made under autocast, used by an fp32 layer after the block: torch's error message."""
+    torch.manual_seed(0)
+    body, head = nn.Linear(8, 8), nn.Linear(8, 2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        hidden = body(torch.rand(4, 8))  # bf16: autocast lowered the linear layer
+    try:
+        head(hidden)  # outside the block: a bf16 input meets fp32 weights, and nothing casts them
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def cpu_16bit_support(flags: set[str]) -> list[str]:
+    """What this CPU offers 16-bit training, in lines to print: its instructions, the kernels torch picks, and one
+    sentence that reads them together (an AVX-512 CPU without bf16 instructions still gets oneDNN bf16 kernels,
+    which convert to fp32 inside)."""
+    listed = sorted(flags & {"avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16",
+                             "f16c"})
+    bf16_kernels = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    fp16_kernels = bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    bf16_in_hardware = bool(flags & {"avx512_bf16", "amx_bf16"})
+    if bf16_kernels and bf16_in_hardware:
+        bf16 = "bf16: oneDNN has bf16 kernels, and this CPU computes bf16 dot products in hardware"
+    elif bf16_kernels:
+        bf16 = ("bf16: oneDNN has bf16 kernels for this CPU although it lists no bf16 instructions: they convert "
+                "bf16 to fp32 inside the kernel, which saves memory traffic but no arithmetic")
+    else:
+        bf16 = "bf16: no oneDNN bf16 kernels here: bf16 ops run on generic code, often slower than fp32"
+    fp16 = ("fp16: oneDNN has fp16 kernels here" if fp16_kernels else
+            "fp16: no oneDNN fp16 kernels here: torch runs fp16 convolutions on its own generic CPU code")
+    return [f"vector and 16-bit instructions of this CPU: {listed or 'none listed'}",
+            f"kernels torch dispatches to (torch.backends.cpu.get_cpu_capability()): "
+            f"{torch.backends.cpu.get_cpu_capability()}",
+            f"oneDNN bf16 kernels: {bf16_kernels} | oneDNN fp16 kernels: {fp16_kernels}", bf16, fp16]
 
 
 def index_copy_without_autocast() -> str:
@@ -504,6 +576,11 @@ def check_amp_train_step(train_step: Callable, max_norm: float = 0.1) -> bool:
                 found.append("weights differ from the correct step (compute the loss inside the autocast block too,"
                              " where autocast runs cross_entropy in fp32; pass max_norm to clip_grad_norm_, call"
                              " optimizer.zero_grad() before backward, and step once with scaler.step(optimizer))")
+        if not scale_calls and not wrong_dtype:  # the first thing to fix: the scale and weight checks follow from it
+            found = [problem for problem in found if not problem.startswith(
+                ("the scale is", "weights changed in the step", "weights differ"))]
+            found.append("the loss was not scaled (call scaler.scale(loss).backward(), then scaler.unscale_(optimizer)"
+                         " before clipping, scaler.step(optimizer) and scaler.update())")
         for problem in found:
             problems.setdefault(problem, []).append(case)
     if problems:

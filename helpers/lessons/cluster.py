@@ -75,6 +75,8 @@ class JobSize:
     cpus_per_process: int = 4
     gpu_memory_mib: int | None = None  # HAMi share of one GPU's memory; None = the whole GPU
     gpu_cores_percent: int | None = None  # HAMi share of one GPU's compute; None = the whole GPU
+    memory_gib: int = 32  # host memory per node (pod): requested and limited, /dev/shm included
+    shm_gib: int = 8  # the memory-backed /dev/shm per pod; it counts against memory_gib
     max_restarts: int = 1  # torchrun's --max-restarts: worker restarts inside one agent's life
     backoff_limit: int | None = None  # the Kubernetes jobs' backoffLimit; None = nodes + 1 (job_backoff_limit)
 
@@ -108,8 +110,18 @@ def torchrun_command(script: str, size: JobSize, endpoint: str, job_id: str,
 
 def slurm_script(script: str, size: JobSize, args: tuple | list = (), job_name: str = "ddp-train",
                  time_limit: str = "01:00:00", workdir: str | Path | None = None, setup: str | None = None,
-                 output: str = "%x-%j.out", port: int = RENDEZVOUS_PORT) -> str:
+                 output: str = "%x-%j.out", port: int | None = None, stop_signal_seconds: int = 120) -> str:
     """A batch script for `sbatch`: one torchrun agent per node (srun), agents meet at the first node.
+
+    The rendezvous port is the job's own, `20000 + SLURM_JOB_ID % 20000` (or `port`), and each node says whether
+    it hosts the rendezvous store (`is_host`, node 0 only). A fixed port is not enough on a shared node: when
+    another job's agent already holds it, an agent that only *guessed* it was the host retries as a client
+    (c10d_rendezvous_backend.py, `for is_server in [is_host, False]`) and silently joins that job's store. With
+    `is_host` given, a taken port is an error instead. The torchrun line runs under `bash -c` so that each node's
+    task reads its own SLURM_NODEID. `#SBATCH --signal=TERM@<stop_signal_seconds>` has Slurm send SIGTERM to the
+    job's steps (the torchrun agents, which forward it to their workers) that long before the time limit, and
+    `--requeue` lets Slurm requeue the job after a node failure or a preemption: a worker that saves on SIGTERM
+    (fault_tolerance_train.py does) then resumes with nothing lost.
 
     It runs as written from any folder: `#SBATCH --chdir` moves the job into `workdir` (default: this repository,
     which on a cluster lives on the shared filesystem that every node mounts), so the relative `script` and any
@@ -133,8 +145,11 @@ def slurm_script(script: str, size: JobSize, args: tuple | list = (), job_name: 
             if venv.is_relative_to(REPO_ROOT.resolve()):
                 venv = workdir / venv.relative_to(REPO_ROOT.resolve())
             setup = f"source {shlex.quote(str(venv / 'bin' / 'activate'))}"
-    command = torchrun_command(script, size, f"$HEAD_NODE:{port}", "$SLURM_JOB_ID", args)
-    quoted = " ".join(word if word.startswith("--rdzv") else shlex.quote(word) for word in command)
+    command = torchrun_command(script, size, "$HEAD_NODE:$RDZV_PORT", "$SLURM_JOB_ID", args)
+    words = [word if word.startswith("--rdzv") else shlex.quote(word) for word in command]
+    at = words.index(shlex.quote(script))
+    is_host = '--rdzv-conf=is_host=$([ "$SLURM_NODEID" = 0 ] && echo 1 || echo 0)'
+    on_each_node = " ".join(["exec", *words[:at], is_host, *words[at:]])
     return "\n".join([
         "#!/bin/bash",
         f"#SBATCH --job-name={job_name}",
@@ -145,14 +160,18 @@ def slurm_script(script: str, size: JobSize, args: tuple | list = (), job_name: 
         f"#SBATCH --time={time_limit}",
         f"#SBATCH --chdir={workdir}",
         f"#SBATCH --output={output}",
+        f"#SBATCH --signal=TERM@{stop_signal_seconds}",
+        "#SBATCH --requeue",
         "set -euo pipefail",
         setup,
         # sed reads the whole list: `head -n 1` would exit early, and scontrol's SIGPIPE would end the script
         # under `set -o pipefail` once the host list is long enough
         'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
+        f"RDZV_PORT={port}" if port is not None else "RDZV_PORT=$((20000 + SLURM_JOB_ID % 20000))",
+        "export HEAD_NODE RDZV_PORT",
         f"export OMP_NUM_THREADS={size.cpus_per_process}",
         f"export {SHARE_STORE_OPT_OUT['name']}={SHARE_STORE_OPT_OUT['value']}",
-        f"srun --cpus-per-task=$SLURM_CPUS_PER_TASK {quoted}",
+        f"srun --cpus-per-task=$SLURM_CPUS_PER_TASK bash -c {shlex.quote(on_each_node)}",
         "",
     ])
 
@@ -168,7 +187,8 @@ def check_slurm_script(text: str) -> list[str]:
     """
     from torch.distributed.run import get_args_parser
 
-    known = {"job-name", "nodes", "ntasks-per-node", "gpus-per-node", "cpus-per-task", "time", "chdir", "output"}
+    known = {"job-name", "nodes", "ntasks-per-node", "gpus-per-node", "cpus-per-task", "time", "chdir", "output",
+             "signal", "requeue"}
     sbatch = {}
     for line in text.splitlines():
         if line.startswith("#SBATCH"):
@@ -183,7 +203,14 @@ def check_slurm_script(text: str) -> list[str]:
     if srun is None or " torchrun " not in f" {srun} ":
         raise ValueError("the script has no `srun ... torchrun ...` line")
     words = shlex.split(srun)
-    srun_options, arguments = words[1:words.index("torchrun")], words[words.index("torchrun") + 1:]
+    if "bash" in words and words[words.index("bash") + 1] == "-c":  # the line each node's task runs
+        srun_options, inner = words[1:words.index("bash")], words[words.index("bash") + 2]
+        arguments = slurm_node_arguments(inner, node_id=0)
+        if "--rdzv-conf=is_host=1" not in arguments or "--rdzv-conf=is_host=0" not in slurm_node_arguments(inner, 1):
+            raise ValueError("the nodes are not told whether they host the rendezvous store (--rdzv-conf=is_host=1 "
+                             "on node 0 only): an agent that guesses can join another job's store on a shared node")
+    else:
+        srun_options, arguments = words[1:words.index("torchrun")], words[words.index("torchrun") + 1:]
     inherits = re.search(r"^export SRUN_CPUS_PER_TASK=\$SLURM_CPUS_PER_TASK$", text, re.MULTILINE)
     if "--cpus-per-task=$SLURM_CPUS_PER_TASK" not in srun_options and not inherits:
         raise ValueError("srun does not pass --cpus-per-task on (Slurm >= 22.05 does not inherit it): "
@@ -201,6 +228,55 @@ def check_slurm_script(text: str) -> list[str]:
         raise ValueError(f"OMP_NUM_THREADS={threads[1]} x {parsed.nproc_per_node} processes oversubscribe "
                          f"--cpus-per-task={sbatch.get('cpus-per-task', 1)}")
     return arguments
+
+
+def slurm_node_arguments(line: str, node_id: int) -> list[str]:
+    """The torchrun arguments of the script's `bash -c 'exec torchrun ...'` line as the node with SLURM_NODEID =
+    node_id expands them (torchrun swapped for printf; the batch shell's exports stand in as placeholders)."""
+    if not line.startswith("exec torchrun "):
+        raise ValueError(f"expected 'exec torchrun ...' under bash -c, got {line[:40]!r}")
+    env = {"SLURM_NODEID": str(node_id), "HEAD_NODE": "head-node", "RDZV_PORT": "20007", "SLURM_JOB_ID": "7",
+           "PATH": "/usr/bin:/bin"}
+    shown = subprocess.run(["bash", "-c", "printf '%s\\n' " + line.removeprefix("exec torchrun ")], env=env,
+                           check=True, capture_output=True, text=True)
+    return shown.stdout.splitlines()
+
+
+def second_job_on_a_taken_port(timeout: float = 60) -> dict[str, str]:
+    """Two jobs, one node, one fixed rendezvous port. Another process ("job1") hosts a TCPStore on the port and
+    writes owner=job1 into it; then this process starts "job2"'s c10d rendezvous backend at the same endpoint, twice:
+    letting it guess whether it is the host (as a script without is_host does), and telling it (is_host=1).
+    Returns what each attempt got: the owner key it could read, or the error it raised."""
+    import select
+    import sys
+
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+
+    from helpers.launcher.api import free_port
+
+    port = free_port()
+    job1 = subprocess.Popen([sys.executable, "-c", "import time, torch.distributed as d; "
+                             f"s = d.TCPStore('127.0.0.1', {port}, is_master=True, multi_tenant=True); "
+                             "s.set('owner', 'job1'); print('ready', flush=True); time.sleep(600)"],
+                            stdout=subprocess.PIPE, text=True)
+    outcomes = {}
+    try:
+        ready, _, _ = select.select([job1.stdout], [], [], timeout)  # job1 says so once its store holds the key
+        if not ready or job1.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"job1's store did not start within {timeout:g} s")
+        for case, config in (("is_host guessed", {}), ("is_host=1", {"is_host": "1"})):
+            parameters = RendezvousParameters(backend="c10d", endpoint=f"127.0.0.1:{port}", run_id="job2",
+                                              min_nodes=1, max_nodes=1, read_timeout="5", **config)
+            try:
+                _, store = create_backend(parameters)
+                outcomes[case] = f"joined a store that says owner={store.get('owner').decode()}"
+            except Exception as error:  # what it raised is the result
+                outcomes[case] = f"refused: {type(error).__name__}: {str(error).splitlines()[0]}"
+    finally:
+        job1.kill()
+        job1.wait()
+    return outcomes
 
 
 # ---------------------------------------------------------------------------- the image
@@ -238,15 +314,18 @@ def _gpu_names(gang: str | None) -> dict[str, str]:
 
 
 def _resources(size: JobSize, gang: str | None = None) -> dict[str, dict[str, str]]:
-    """GPU requests as HAMi reads them (limits); quantities are strings, as the API wants them."""
+    """GPU requests as HAMi reads them (limits), CPUs and host memory; quantities are strings, as the API wants.
+
+    Memory is requested and limited: without a request the scheduler does not count the pod's host memory, and
+    under memory pressure the node evicts it before pods that did ask; the limit bounds /dev/shm too."""
     names = _gpu_names(gang) if size.shares_gpus else HAMI_NAMES
     limits = {names["count"]: str(size.gpus_per_node)}
     if size.gpu_memory_mib is not None:
         limits[names["memory"]] = str(size.gpu_memory_mib)
     if size.gpu_cores_percent is not None:
         limits[names["cores"]] = str(size.gpu_cores_percent)
-    cpus = str(size.cpus_per_process * size.gpus_per_node)
-    return {"limits": {**limits, "cpu": cpus}, "requests": {"cpu": cpus}}
+    cpus, memory = str(size.cpus_per_process * size.gpus_per_node), f"{size.memory_gib}Gi"
+    return {"limits": {**limits, "cpu": cpus, "memory": memory}, "requests": {"cpu": cpus, "memory": memory}}
 
 
 def _scheduler(size: JobSize, gang: str | None) -> str | None:
@@ -268,17 +347,18 @@ def _volume_mounts() -> list[dict]:
     return [{"name": CHECKPOINT_CLAIM, "mountPath": "/checkpoints"}, {"name": SHM_VOLUME, "mountPath": "/dev/shm"}]
 
 
-def _volumes() -> list[dict]:
+def _volumes(size: JobSize) -> list[dict]:
     """The shared checkpoint claim, and /dev/shm in memory: a container's own /dev/shm is 64 MiB by default, too
     small for NCCL's shared-memory transport between the GPUs of a pod and for DataLoader workers. What is written
-    there counts against the container's memory limit."""
+    there counts against the container's memory limit; sizeLimit bounds it (without it, a memory-backed emptyDir
+    is a tmpfs bounded only by the node)."""
     return [{"name": CHECKPOINT_CLAIM, "persistentVolumeClaim": {"claimName": CHECKPOINT_CLAIM}},
-            {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}}]
+            {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": f"{size.shm_gib}Gi"}}]
 
 
 def _pod_spec(container: dict, size: JobSize, restart_policy: str | None, gang: str | None) -> dict:
     spec = {"restartPolicy": restart_policy} if restart_policy else {}
-    spec.update({"containers": [container], "volumes": _volumes()})
+    spec.update({"containers": [container], "volumes": _volumes(size)})
     scheduler = _scheduler(size, gang)
     if scheduler:
         spec["schedulerName"] = scheduler
@@ -381,7 +461,8 @@ def train_job(name: str, image: str, script: str, size: JobSize, args: tuple | l
     if gang == "volcano":
         raise ValueError("a TrainJob gets Volcano gang scheduling from its runtime's podGroupPolicy; "
                          "use a runtime that sets it, or gang='kueue'")
-    pod_patch = {"volumes": _volumes(), "containers": [{"name": TRAINER_CONTAINER, "volumeMounts": _volume_mounts()}]}
+    pod_patch = {"volumes": _volumes(size),
+                 "containers": [{"name": TRAINER_CONTAINER, "volumeMounts": _volume_mounts()}]}
     patch = {"manager": TRAINER_PATCH_MANAGER, "trainingRuntimeSpec": {"template": {"spec": {"replicatedJobs": [
         {"name": TRAINER_JOB, "template": {"spec": {"template": {"spec": pod_patch}}}}]}}}}
     trainer = {"image": image,

@@ -109,6 +109,42 @@ def draw_barrier(run: Run, ax: plt.Axes | None = None) -> plt.Axes:
     return ax
 
 
+def ring_holdings(run: Run) -> list[list[list[list[int]]]]:
+    """From collectives_ring.py's trace: for each step, each rank, each chunk, the ranks whose numbers the chunk
+    holds (rank r contributed 2**r, so a sum is a set of ranks written in binary)."""
+    ranks = sorted(run.results)
+    traces = [run.results[rank]["trace"] for rank in ranks]
+    return [[[[bit for bit in range(len(ranks)) if int(chunk[0]) >> bit & 1] for chunk in traces[rank][step]]
+             for rank in range(len(ranks))] for step in range(len(traces[0]))]
+
+
+def draw_ring_steps(run: Run) -> np.ndarray:
+    """The hand-written ring on N ranks, step by step: rows are ranks, columns the N chunks, and each cell names the
+    ranks whose numbers the chunk holds (green: all of them, the finished sum)."""
+    holdings = ring_holdings(run)
+    steps, world_size = len(holdings), len(holdings[0])
+    _, axes = plt.subplots(1, steps, figsize=(1.6 * steps + 0.6, 0.6 + 0.5 * world_size), dpi=80,
+                           layout="constrained", squeeze=False)
+    for step, ax in enumerate(axes[0]):
+        for rank in range(world_size):
+            y = world_size - 1 - rank
+            for column, members in enumerate(holdings[step][rank]):
+                done = len(members) == world_size
+                colour = "tab:green" if done else RANK_COLOURS[members[0] % 10] if len(members) == 1 else \
+                    COMBINED_COLOUR
+                ax.add_patch(Rectangle((column, y), 0.95, 0.8, facecolor=colour, alpha=0.75, edgecolor="black",
+                                       linewidth=0.5))
+                ax.text(column + 0.47, y + 0.4, "+".join(map(str, members)), ha="center", va="center", fontsize=7)
+            if step == 0:
+                ax.text(-0.2, y + 0.4, f"rank {rank}", ha="right", va="center", fontsize=8)
+        phase = "start" if step == 0 else (f"reduce-scatter {step}" if step < world_size
+                                           else f"all-gather {step - world_size + 1}")
+        ax.set(xlim=(-0.1, world_size), ylim=(-0.1, world_size), title=phase)
+        ax.title.set_fontsize(9)
+        ax.axis("off")
+    return axes
+
+
 def bus_factor(world_size: int) -> float:
     """2(N-1)/N: the fraction of the tensor each rank sends (and receives) in a ring all-reduce."""
     return 2 * (world_size - 1) / world_size
@@ -148,19 +184,6 @@ def fit_latency_bandwidth(sizes: Sequence[int], seconds: Sequence[float]) -> tup
     design = np.stack([np.ones_like(sizes_array), sizes_array], axis=1) / seconds_array[:, None]
     (latency, inverse_bandwidth), *_ = np.linalg.lstsq(design, np.ones_like(seconds_array), rcond=None)
     return float(latency), float(1 / inverse_bandwidth)
-
-
-def half_peak_sizes(sizes: Sequence[int], seconds: Sequence[float]) -> tuple[int | None, int]:
-    """Read from the measurements, not the fit: the largest size whose algbw is still below half of the highest
-    measured algbw (None if the first one already reaches it), and the first size that reaches half."""
-    algbw = [size / t for size, t in zip(sizes, seconds, strict=True)]
-    first = next(i for i, value in enumerate(algbw) if value >= max(algbw) / 2)
-    return (sizes[first - 1] if first else None), sizes[first]
-
-
-def fit_ratios(sizes: Sequence[int], seconds: Sequence[float], latency: float, bandwidth: float) -> list[float]:
-    """measured / fitted time at each size: the fit's residuals (1.0 = on the line)."""
-    return [t / (latency + size / bandwidth) for size, t in zip(sizes, seconds, strict=True)]
 
 
 def format_bytes(size: float) -> str:

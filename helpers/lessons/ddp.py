@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from helpers.kit.tensors import flat, max_abs_diff, parameter_checksum
-from helpers.lessons.checks import announce_run, correct, each_rank, not_yet
+from helpers.kit.timing import NOT_DISTINGUISHABLE, Timing, Verdict, verdict
+from helpers.lessons.checks import announce_run, correct, each_rank, not_yet, not_yet_crashed
 
 
 def single_process_reference(global_batch: int, steps: int, lr: float = 0.1, seed: int = 0) -> dict:
@@ -59,32 +60,32 @@ def script_lines(path: Path) -> list[str]:
     return text[text.index('"""', 3) + 3:].lstrip().splitlines(keepends=True)
 
 
-def coloured_diff(old: Path, new: Path, context: int = 1):
-    """A unified diff of two scripts (without their docstrings) as HTML: removed lines red, added lines green."""
+def coloured_diff(old: Path, new: Path, context: int = 1, fold_before: str | None = None, fold_summary: str = ""):
+    """A unified diff of two scripts (without their docstrings) as HTML: removed lines red, added lines green.
+    fold_before: the hunks before the first one that contains this text go into a closed fold after the others,
+    with fold_summary as its title (so that the lines that matter are what a reader sees first)."""
     from IPython.display import HTML
 
     colours = {"-": "#ffebe9", "+": "#dafbe1", "@": "#ddf4ff"}
-    rows = []
+    hunks: list[list[str]] = []
     for line in difflib.unified_diff(script_lines(old), script_lines(new), Path(old).name, Path(new).name,
                                      n=context):
         line = line.rstrip("\n")
+        if line.startswith("@@") or not hunks:
+            hunks.append([])
         colour = "#eeeeee" if line.startswith(("---", "+++")) else colours.get(line[:1])
         style = f" style='background:{colour}'" if colour else ""
-        rows.append(f"<div{style}>{html.escape(line) or '&nbsp;'}</div>")
-    return HTML("<pre style='font-size:12px;line-height:1.3'>" + "".join(rows) + "</pre>")
+        hunks[-1].append(f"<div{style}>{html.escape(line) or '&nbsp;'}</div>")
+    first = next((i for i, hunk in enumerate(hunks) if fold_before and any(html.escape(fold_before) in row
+                                                                          for row in hunk)), 1)
+    shown, folded = hunks[:1] + hunks[first:], hunks[1:first]
 
-
-def folded_listing(path: Path, summary: str):
-    """A script, syntax-highlighted inside a closed <details> fold that says what it is: open it to read."""
-    from IPython.display import HTML
-    from pygments import highlight
-    from pygments.formatters import HtmlFormatter
-    from pygments.lexers import PythonLexer
-
-    code = highlight(Path(path).read_text(), PythonLexer(), HtmlFormatter(noclasses=True, nobackground=True))
-    lines = len(Path(path).read_text().splitlines())
-    return HTML(f"<details><summary><b>{html.escape(Path(path).name)}</b> ({lines} lines): "
-                f"{html.escape(summary)}. Click to open.</summary>{code}</details>")
+    def pre(parts: list[list[str]]) -> str:
+        rows = "".join(row for hunk in parts for row in hunk)
+        return f"<pre style='font-size:12px;line-height:1.3'>{rows}</pre>"
+    rest = (f"<details><summary>{html.escape(fold_summary)} ({sum(len(h) for h in folded)} lines of the diff)"
+            f"</summary>{pre(folded)}</details>") if folded else ""
+    return HTML(pre(shown) + rest)
 
 
 # ---------------------------------------------------------------- the article's tutorial, as printed
@@ -114,88 +115,144 @@ def last_error_line(text: str) -> str:
     return re.sub(r"(from )?'?/[^\s'>]*'?", "", line).replace(" >", ">").strip()
 
 
-# ---------------------------------------------------------------- section 8: one rank or two, what the controls say
-
-STEP_SETTINGS = {"one": "1 rank(s) x 1 thread(s)", "two_threads": "1 rank(s) x 2 thread(s)",
-                 "ddp": "2 rank(s) x 1 thread(s)", "quiet": "2 rank(s) x 1 thread(s), no all-reduce",
-                 "half": "1 rank(s) x 1 thread(s), batch 32"}
+# ---------------------------------------------------------------- pictures and runs of the lesson
 
 
-def _batch_saving(one: float, half: float) -> str:
-    """What halving the batch did to one rank's step, in words that stay true when it saved nothing."""
-    saved = 1 - half / one
-    if abs(saved) < 0.005:
-        return "halving the batch did not change the step time"
-    return f"halving the batch saved {saved:.0%} of the step" if saved > 0 else \
-        f"at half the batch the step took {-saved:.0%} longer"
+def plot_ddp_gradients(alone: dict[int, dict], ddp: dict[int, dict], count: int = 16):
+    """The first step's gradient, last `count` values (the output layer's), of each rank training alone on its own
+    share, and of each rank under DDP: DDP's is the mean of the ranks' own (ddp_equivalence.py's results)."""
+    import matplotlib.pyplot as plt
+
+    _, ax = plt.subplots(figsize=(8, 3.2), dpi=80, layout="constrained")
+    positions = range(count)
+    for rank, marker in ((0, "v"), (1, "^")):
+        ax.plot(positions, alone[rank]["first_gradient"][-count:], marker, color=f"C{rank}", alpha=0.8,
+                label=f"rank {rank} alone: the gradient of its own 16 samples")
+    for rank, style in ((0, {"s": 90, "facecolors": "none", "edgecolors": "k"}), (1, {"s": 18, "color": "k"})):
+        ax.scatter(positions, ddp[rank]["first_gradient"][-count:], label=f"rank {rank} under DDP", **style)
+    ax.axhline(0, color="grey", lw=0.5)
+    ax.set(xlabel=f"the last {count} gradient values (the output layer)", ylabel="gradient",
+           title="After DDP's backward every rank holds the mean of the ranks' own gradients")
+    ax.legend(fontsize="small", ncol=2)
+    return ax
 
 
-def _speed_word(ratio: float) -> str:
-    return "about the same" if 0.9 <= ratio <= 1.1 else "faster" if ratio > 1 else "slower"
+def _run_together(commands: dict[str, list[str]], timeout: float, say_every: float = 4.0) -> dict[str, str]:
+    """Run these commands at the same time (this repository on PYTHONPATH); print progress while they run; return
+    each one's stdout and stderr together."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from helpers.kit import REPO_ROOT
+
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    running = {name: subprocess.Popen([sys.executable, *command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, env=env) for name, command in commands.items()}
+    started = next_word = time.monotonic()
+    while any(process.poll() is None for process in running.values()):
+        if time.monotonic() - started > timeout:
+            for process in running.values():
+                process.kill()
+            raise TimeoutError(f"still running after {timeout:g} s: {', '.join(commands)}")
+        if time.monotonic() >= next_word + say_every:
+            next_word = time.monotonic()
+            print(f"  ... {next_word - started:.0f} s", flush=True)
+        time.sleep(0.2)
+    return {name: process.communicate()[0] for name, process in running.items()}
 
 
-def explain_step_times(step_ms: dict[str, float], parameters: dict[str, int],
-                       blocks: dict[str, list[float]]) -> dict[str, float]:
-    """Print, per model, the differences between ddp_step_time.py's settings (median ms per step) and what they
-    say; return each setting's speed against 1 rank x 1 thread (for a bar chart). The differences:
-    sharing = no all-reduce - 1 rank at batch 32 (2 processes on 2 shared cores, DDP's bookkeeping);
-    all-reduce = DDP - no all-reduce (the all-reduce, including waiting for the partner);
-    extra = DDP - 1 rank at batch 32 (all that 2 ranks add to one rank's half of the work).
-    `blocks`: each setting's seconds per step in every block (their spread says how noisy a median is)."""
-    speedup = {}
-    for model, name in (("simple", "the article's model"), ("cnn", "the CNN")):
-        one, half, quiet, ddp, two_threads = (step_ms[f"{model}, {STEP_SETTINGS[key]}"]
-                                              for key in ("one", "half", "quiet", "ddp", "two_threads"))
-        for short, value in (("2 threads", two_threads), ("2 ranks,\nno all-reduce", quiet), ("2 ranks", ddp)):
-            speedup[f"{model}\n{short}"] = one / value
-        bare = step_ms[f"{model}, all_reduce alone, {parameters[model]} floats"]
-        sharing, all_reduce = quiet - half, ddp - quiet
-        print(f"{name}: against 1 rank x 1 thread, DDP on 2 ranks ran at {one / ddp:.2g}x the speed "
-              f"({_speed_word(one / ddp)}), 2 threads in one process at {one / two_threads:.2g}x "
-              f"({_speed_word(one / two_threads)}); medians of this run. The detail:")
-        print(f"  1 rank {one:.2f} ms per step at batch 64, {half:.2f} ms at batch 32 "
-              f"({_batch_saving(one, half)});\n"
-              f"  2 ranks without the all-reduce: {quiet:.2f} ms ({sharing:+.2f} ms against 1 rank at batch 32: "
-              f"2 processes on 2 shared cores, and DDP's bookkeeping);\n"
-              f"  2 ranks with DDP's all-reduce:  {ddp:.2f} ms ({all_reduce:+.2f} ms against no all-reduce: the "
-              f"all-reduce, including waiting for the partner);\n"
-              f"  the all-reduce alone, {parameters[model]:,} floats, no training around it: {bare:.2f} ms.")
-        if ddp > half and all_reduce > 0:
-            extra = ddp - half
-            share, transfer = all_reduce / extra, bare / extra
-            # share = (DDP - no all-reduce) / (DDP - batch 32) is over 100% exactly when the no-all-reduce
-            # control ran faster than 1 rank at batch 32 (sharing < 0), although it computes the same per rank.
-            over = ""
-            if share > 1:
-                labels = {key: f"{model}, {STEP_SETTINGS[key]}" for key in ("half", "quiet")}
-                spread = {key: 1e3 * (max(blocks[label]) - min(blocks[label])) for key, label in labels.items()}
-                noise = (f"the blocks of those two settings spread over {spread['quiet']:.2f} ms (no all-reduce) and "
-                         f"{spread['half']:.2f} ms (1 rank at batch 32), "
-                         f"so this run cannot tell them apart: read it as all of the extra"
-                         if -sharing < max(spread.values()) else
-                         "more than either setting's spread over its blocks, so not noise between blocks alone; this "
-                         "run does not say why")
-                over = (f";\n  that share is over 100% because the 2 ranks without the all-reduce ran "
-                        f"{-sharing:.2f} ms faster per step than 1 rank at batch 32, which does the same per-rank "
-                        f"work without DDP: {noise}")
-            bare_times = blocks[f"{model}, all_reduce alone, {parameters[model]} floats"]
-            over_transfer = (f" (over 100%: the all-reduce alone, timed in its own blocks, took longer than the whole "
-                             f"extra; its blocks spread over {1e3 * (max(bare_times) - min(bare_times)):.2f} ms)"
-                             if transfer > 1 else "")
-            # The no-all-reduce control removes two things at once: the transfer, and the coupling of the ranks at
-            # every step (each waits for the slower one). The all-reduce alone estimates the transfer by itself.
-            rest = all_reduce - bare
-            cause = ("most of what the all-reduce costs here is not the bare transfer; this run does not split the "
-                     "rest (waiting for the partner, DDP's work around the all-reduce)"
-                     if rest > bare else "what the all-reduce costs here is mostly the transfer itself")
-            print(f"  Of the {extra:.2f} ms above 1 rank at batch 32, removing the all-reduce removes {share:.0%} "
-                  f"(the transfer and the per-step wait for the partner together){over};\n"
-                  f"  the transfer alone (the all-reduce with no training around it) is about {transfer:.0%}"
-                  f"{over_transfer}:\n  {cause}.")
-        else:
-            print("  Here DDP was not slower than the control: this run's noise is larger than what the all-reduce "
-                  "costs, so it cannot split the 2-rank step.")
-    return speedup
+def fork_probe() -> dict[str, str]:
+    """ddp_fork_probe.py's child's line for each question the parent asked before it forked (three processes)."""
+    from helpers.kit import WORKERS
+
+    questions = ("nothing", "is_available", "device_count")
+    said = _run_together({q: [str(WORKERS / "ddp_fork_probe.py"), q] for q in questions}, timeout=120)
+    return {question: said[question].strip().splitlines()[-1] for question in questions}
+
+
+def torchrun_failure_reports() -> dict[str, str]:
+    """Run ddp_failure_report.py under torchrun on 2 processes, without and with --record, at the same time; return
+    what each printed (stdout and stderr)."""
+    from helpers.kit import WORKERS
+
+    command = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(WORKERS / "ddp_failure_report.py")]
+    return _run_together({"without @record": command, "with @record": [*command, "--record"]}, timeout=240)
+
+
+def failure_report(output: str) -> str:
+    """torchrun's ChildFailedError report from a run's output, from its first line to its closing border (a rank's
+    own output can still arrive after it), without what changes from run to run (times, host, process ids,
+    temporary paths, ports) and with torch's own frames shortened to their file names."""
+    report = output[output.index("torch.distributed.elastic.multiprocessing.errors.ChildFailedError"):]
+    border = report.find("\n=", report.index("Root Cause (first observed failure)"))  # the closing border
+    if border >= 0:  # a rank's own output, which torchrun copies line by line, can still arrive after it
+        line_end = report.find("\n", border + 1)
+        report = report[:line_end if line_end >= 0 else len(report)]
+    report = "\n".join(line for line in report.splitlines() if not re.match(r"\[(?:rank|default)\d*\]:", line))
+    report = re.sub(r"(time\s+: ).*", r"\1<time>", report)
+    report = re.sub(r"(host\s+: ).*", r"\1<host>", report)
+    report = re.sub(r"\(pid: \d+\)", "(pid: <pid>)", report)
+    report = re.sub(r"PID \d+", "PID <pid>", report)
+    report = re.sub(r"/\S*/torchelastic_\S*/attempt_", "<torchrun's temporary folder>/attempt_", report)
+    report = re.sub(r"\[[\d.]+\]:\d+", "[127.0.0.1]:<port>", report)
+    report = re.sub(r'File "\S*/(torch/\S+|helpers/\S+)"', r'File "\1"', report)
+    report = re.sub(r"^/\S*/(helpers/\S+ FAILED)", r"\1", report, flags=re.M)
+    return re.sub(r"\[/\S+/third_party/", "[third_party/", report).strip()
+
+
+# ---------------------------------------------------------------- one rank or two, timed by the protocol
+
+
+def step_settings(model: str, world_size: int = 2, global_batch: int = 64) -> dict[str, str]:
+    """ddp_step_time.py's setting names for one model, by role."""
+    return {"ddp": f"{model}, DDP, {world_size} ranks", "quiet": f"{model}, DDP, no all-reduce",
+            "bare": f"{model}, all-reduce alone", "half": f"{model}, 1 rank, batch {global_batch // world_size}",
+            "one": f"{model}, 1 rank, 1 thread", "two_threads": f"{model}, 1 rank, 2 threads"}
+
+
+def said(found: Verdict, prefix: str = "") -> str:
+    """A verdict in a few words: which is faster and by how much, or "not distinguishable on this machine"; `prefix`
+    (a model's name and comma, say) is left out of the setting's name."""
+    if not found.distinguishable:
+        return NOT_DISTINGUISHABLE
+    return f"{found.faster.removeprefix(prefix)} is faster, {found.ratio:.2f}x"
+
+
+def print_timings(timings: dict[str, Timing], prefix: str = "", indent: str = "  ") -> None:
+    """One line per setting: the median and spread of its rounds, wall time and CPU time."""
+    width = max(len(name.removeprefix(prefix)) for name in timings)
+    for name, timing in timings.items():
+        print(f"{indent}{name.removeprefix(prefix):<{width}}  wall {timing.summary():<24} CPU {timing.summary('cpu')}")
+
+
+def read_step_times(timings: dict[str, Timing], parameters: dict[str, int]) -> dict[str, dict[str, Verdict]]:
+    """Print ddp_step_time.py's timings per model (median and spread of the rounds, wall and CPU time) and the
+    verdicts of the comparisons that matter; return the verdicts, by model and question.
+    The questions: is DDP on 2 ranks faster than 1 process (wall)? are 2 threads faster than 1? what does the
+    all-reduce cost (DDP against DDP with a hook that sends nothing, wall and CPU)? what do 2 processes cost
+    (no all-reduce against 1 rank at the per-rank batch, wall)?"""
+    verdicts = {}
+    for model, title in (("simple", "the article's model"), ("cnn", "the CNN")):
+        names = step_settings(model)
+        print(f"{title} ({parameters[model]:,} gradients to all-reduce per step), per step, median of "
+              f"{len(timings[names['one']].wall)} rounds (lowest-highest):")
+        print_timings({name: timings[name] for name in names.values()}, prefix=f"{model}, ")
+        found = {"ddp": verdict(timings[names["ddp"]], timings[names["one"]]),
+                 "threads": verdict(timings[names["two_threads"]], timings[names["one"]]),
+                 "all-reduce": verdict(timings[names["ddp"]], timings[names["quiet"]]),
+                 "all-reduce cpu": verdict(timings[names["ddp"]], timings[names["quiet"]], kind="cpu"),
+                 "processes": verdict(timings[names["quiet"]], timings[names["half"]])}
+        short = {key: said(value, f"{model}, ") for key, value in found.items()}
+        print(f"  DDP on 2 ranks against 1 rank, 1 thread (wall): {short['ddp']}\n"
+              f"  2 threads against 1 thread, one process (wall): {short['threads']}\n"
+              f"  the all-reduce's cost, DDP against DDP without it: wall: {short['all-reduce']}; "
+              f"CPU: {short['all-reduce cpu']}\n"
+              f"  2 processes' cost, no all-reduce against 1 rank at batch 32 (wall): {short['processes']}")
+        verdicts[model] = found
+    return verdicts
 
 
 # ---------------------------------------------------------------- the exercise
@@ -270,16 +327,19 @@ def check_ddp_worker(script: str | Path, nproc: int = 2, timeout: float = 60) ->
     try:
         run = launch(script, nproc=nproc, echo=False, timeout=timeout)
     except LaunchTimeout as error:
+        folder = f" Each rank's output is in {error.run.log_dir}/rank<N>.log." if error.run is not None else ""
         return not_yet(f"your script was still running after {timeout:g} s. A collective that not every rank "
                        f"calls (say, all_reduce or broadcast inside `if rank == 0:`) waits for the others until the "
                        f"process group's timeout. Next time, press Stop (■) as soon as it seems stuck: the launcher "
-                       f"says the same at once. Where each rank was:{each_rank(error.where)}")
+                       f"says the same at once. Where each rank was:{each_rank(error.where)}{folder}")
     except WorkerFailed as error:
-        if not re.search(r"^\s*[\w.]+(Error|Exception)\b", str(error), re.M):  # no rank raised: say who left
+        if error.rank is not None and error.error is None:  # no rank raised: one left while another still waited
+            folder = f" Each rank's output is in {error.run.log_dir}/rank<N>.log." if error.run is not None else ""
             return not_yet(f"your script failed on {nproc} ranks: {str(error).strip().splitlines()[0]} A rank that "
                            "finishes while another still waits in a collective ends like this on gloo: every rank "
-                           "must call the same collectives in the same order (is one inside `if rank == 0:`?).")
-        return not_yet(f"your script failed on {nproc} ranks: {last_error_line(error)}")
+                           "must call the same collectives in the same order (is one inside `if rank == 0:`?)."
+                           + folder)
+        return not_yet_crashed(error, "your script")
     if sorted(run.results) != list(range(nproc)) or any("weights" not in r for r in run.results.values()):
         return not_yet("every rank must call result(weights=..., samples_seen=...) as the original script does.")
     seen = [run.results[rank]["samples_seen"] for rank in range(nproc)]

@@ -1,8 +1,8 @@
-"""Lesson 03's library (DataParallel vs DDP): the reference gradients, DP's traffic, and overlap arithmetic.
+"""Lesson 03's library (DataParallel vs DDP): reference gradients, DP's traffic, when DDP issues its all-reduces.
 
-    from helpers.lessons.dp_vs_ddp import check_traffic, measured_traffic, overlap, single_device_gradients
+    from helpers.lessons.dp_vs_ddp import check_traffic, issue_order, measured_traffic, single_device_gradients
     measured_traffic(model, num_devices=2)     # bytes our CPU DataParallel's Broadcast copied in one iteration
-    overlap(events)                            # how much all-reduce time falls inside backward compute
+    issue_order(events)                        # how much of the backward was left when DDP issued its first all-reduce
 
 Our rebuild of DataParallel itself is helpers/kit/dp_vs_ddp.py; the counting comm hook is in
 helpers/kit/instruments.py.
@@ -66,6 +66,28 @@ def check_traffic(traffic: Callable[[int, int], int]) -> bool:
                    "2 x (devices - 1) x parameter bytes per iteration, as our rebuild's Broadcast counted them.")
 
 
+def plot_dp_iteration(phase_seconds: dict[str, float], devices: int, title: str):
+    """An iteration of our rebuild, phase by phase in the order they run (seconds per phase, e.g. medians over
+    iterations): the phases every device runs at once on its own thread (forward, backward) on every device's row;
+    the rest on device 0's alone."""
+    import matplotlib.pyplot as plt
+
+    _, ax = plt.subplots(figsize=(9, 1.5 + 0.45 * devices), dpi=80, layout="constrained")
+    start = 0.0
+    for index, (phase, seconds) in enumerate(phase_seconds.items()):
+        rows = range(devices) if phase in ("forward", "backward") else [0]
+        for row in rows:
+            ax.broken_barh([(start, max(1000 * seconds, 0.01))], (row - 0.4, 0.8), color=f"C{index}",
+                           edgecolor="white", label=phase if row == 0 else None)
+        start += 1000 * seconds
+    ax.set_yticks(range(devices), [f"device {d}" for d in range(devices)])
+    ax.invert_yaxis()
+    ax.set(xlabel="milliseconds since the iteration began", title=title)
+    ax.legend(ncol=len(phase_seconds), fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.35))
+    ax.grid(axis="x", alpha=0.3)
+    return ax
+
+
 # ---------------------------------------------------------------------------- DDP: overlap, measured
 
 Span = tuple[float, float]
@@ -113,23 +135,14 @@ def total(spans: Sequence[Span]) -> float:
     return sum(end - start for start, end in merge(spans))
 
 
-def overlap(events: Sequence[dict]) -> dict[str, float]:
-    """How much of one step's running all-reduce time falls inside backward compute (dp_vs_ddp_overlap events).
-
-    compute: the backward ops on the training thread, minus the all-reduce calls issued from inside them;
-    communication: the all-reduce running in the backend's thread (with gloo this includes waiting for the
-    other ranks). fraction = |communication and compute at the same time| / |communication|.
-    """
-    def spans(kind: str) -> list[Span]:
-        return [(e["start_us"], e["end_us"]) for e in events if e["kind"] == kind]
-
-    compute = subtract(spans("backward"), spans("all-reduce issued"))
-    communication = spans("all-reduce running")
-    backward_end = max(end for _, end in spans("backward"))
-    both = total(intersect(communication, compute))
-    comm = total(communication)
-    return {"communication_us": comm, "compute_us": total(compute), "overlap_us": both,
-            "fraction": both / comm if comm else 0.0, "backward_us": backward_end,
-            "communication_after_backward_us": total(subtract(communication, [(float("-inf"), backward_end)]))}
-
-
+def issue_order(events: Sequence[dict]) -> dict[str, float]:
+    """When, in one profiled DDP step (dp_vs_ddp_overlap.py events), the all-reduces were issued: counted in backward
+    ops, which run one after another on the training thread, so the count does not depend on how busy the machine
+    is. ops: the backward's ops; ops_after_first_issue: how many of them started after the first all-reduce was
+    issued (the backward work left for communication to overlap); issued_before_last_op: the all-reduces issued
+    before the backward's last op started."""
+    ops = sorted(e["start_us"] for e in events if e["kind"] == "backward")
+    issued = sorted(e["start_us"] for e in events if e["kind"] == "all-reduce issued")
+    after = sum(start > issued[0] for start in ops) if issued else 0
+    return {"ops": len(ops), "ops_after_first_issue": after, "share_after_first_issue": after / len(ops),
+            "issued": len(issued), "issued_before_last_op": sum(start < ops[-1] for start in issued)}

@@ -1,10 +1,26 @@
-"""The source article's `mp.spawn` run from a notebook, and why it fails there (lessons 00 and 02, appendix A0)."""
+"""Starting processes without helpers.launch: what goes wrong, shown by running it (lessons 00 and 02, appendix A0).
+
+    from helpers.lessons.mp_spawn import mp_spawn_from_notebook, fork_probe, torchrun_in_a_terminal
+    mp_spawn_from_notebook(work, nprocs=1, args=(1,))   # the source article's mp.spawn, from a notebook
+    fork_probe()                 # may a child forked after torch.cuda.is_available() / device_count() use CUDA?
+    torchrun_in_a_terminal("../helpers/workers/broken_demo.py", {"with @record": []})   # torchrun's own report
+"""
 from __future__ import annotations
 
+import json
 import logging
 import os
+import re
+import socket
+import subprocess
+import sys
 import tempfile
+import threading
+import time
 from collections.abc import Callable
+from pathlib import Path
+
+from helpers import REPO_ROOT
 
 
 def mp_spawn_from_notebook(function: Callable, nprocs: int = 2, args: tuple = ()) -> None:
@@ -54,3 +70,154 @@ def mp_spawn_from_notebook(function: Callable, nprocs: int = 2, args: tuple = ()
                                f"the child's stderr said: {child}") from None
         finally:
             multiprocessing.spawn.set_executable(executable)
+
+
+# Run in a fresh interpreter: fork a child before and after one call, and ask each child to initialise CUDA.
+_FORK_PROBE = r"""
+import json, os, sys
+import torch
+
+def forked_child_initialises_cuda():
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_end)
+        try:
+            torch.cuda.init()
+            said = "CUDA initialised"
+        except Exception as error:
+            said = f"{type(error).__name__}: {str(error).strip().splitlines()[0]}"
+        os.write(write_end, said.encode())
+        os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end) as pipe:
+        said = pipe.read()
+    os.waitpid(pid, 0)
+    return said
+
+before = forked_child_initialises_cuda()
+eval(sys.argv[1])
+after = forked_child_initialises_cuda()
+nvml = getattr(torch.cuda, "_device_count_nvml", lambda: -1)()
+print(json.dumps({"before": before, "after": after, "nvml_counted": nvml >= 0}))
+"""
+
+POISONED = "Cannot re-initialize CUDA in forked subprocess"
+
+
+def _first_sentence(said: str) -> str:
+    return said.split(". ")[0].rstrip(".")
+
+
+def fork_probe(calls: tuple[str, ...] = ("torch.cuda.is_available()", "torch.cuda.device_count()")) -> list[dict]:
+    """For each call, a fresh interpreter forks a child before it and one after it; each child tries
+    `torch.cuda.init()`. Returns one row per case: what the parent had done, what the child said, and whether
+    the child was refused as a forked subprocess. The interpreters run at the same time."""
+    print(f"Starting {len(calls)} fresh Python processes, one per call (each imports torch: a few seconds) ...",
+          flush=True)
+    probes = [subprocess.Popen([sys.executable, "-c", _FORK_PROBE, call], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True) for call in calls]
+    rows = []
+    for call, probe in zip(calls, probes, strict=True):
+        out, err = probe.communicate(timeout=300)
+        if probe.returncode != 0:
+            raise RuntimeError(f"the fork probe for {call} failed: {err.strip().splitlines()[-1:]}")
+        found = json.loads(out.strip().splitlines()[-1])
+        if not rows:
+            rows.append({"parent did": "nothing with CUDA yet", "child said": _first_sentence(found["before"]),
+                         "refused": POISONED in found["before"]})
+        rows.append({"parent did": call, "child said": _first_sentence(found["after"]),
+                     "refused": POISONED in found["after"], "nvml_counted": found["nvml_counted"]})
+    return rows
+
+
+def fork_this_process() -> dict:
+    """Fork a child from this process (the notebook's kernel) and let it try `torch.cuda.init()`."""
+    import torch
+
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report and leave at once, running none of the parent's cleanup
+        os.close(read_end)
+        try:
+            torch.cuda.init()
+            said = "CUDA initialised"
+        except Exception as error:
+            said = f"{type(error).__name__}: {str(error).strip().splitlines()[0]}"
+        os.write(write_end, said.encode())
+        os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end) as pipe:
+        said = pipe.read()
+    os.waitpid(pid, 0)
+    return {"parent did": "this kernel's cells so far", "child said": _first_sentence(said),
+            "refused": POISONED in said}
+
+
+def _shorter(text: str) -> str:
+    """A report without this machine's paths and name: torch's files as torch/..., the repository's relative."""
+    import torch
+
+    text = text.replace(str(Path(torch.__file__).parent), "torch").replace(f"{REPO_ROOT}/", "")
+    text = re.sub(r"/\S*/torchelastic_\S*/error\.json", "<torchrun's temporary folder>/error.json", text)
+    return text.replace(socket.gethostname(), "<this host>")
+
+
+def failure_report(output: str) -> str:
+    """The ChildFailedError report in torchrun's output: from its first line of '=' to its last."""
+    lines = output.splitlines()
+    edges = [index for index, line in enumerate(lines) if line and set(line) == {"="}]
+    return "\n".join(lines[edges[0]:edges[-1] + 1]) if len(edges) >= 2 else ""
+
+
+def root_cause(report: str) -> str:
+    """The 'Root Cause (first observed failure)' block of a torchrun failure report."""
+    start = report.find("Root Cause (first observed failure):")
+    return report[start:].rstrip("=\n ") if start >= 0 else ""
+
+
+def root_cause_fields(report: str) -> dict[str, str]:
+    """The Root Cause entry's fields ("rank", "exitcode", "error_file", ...), each as torchrun printed it."""
+    return dict(re.findall(r"^ {2}(\w+)\s*: (.*?)\s*$", root_cause(report), re.MULTILINE))
+
+
+def torchrun_in_a_terminal(script: str | Path, variants: dict[str, list[str]], nproc: int = 2,
+                           show: Callable[[str], bool] = lambda line: line.startswith("step ")) -> dict[str, str]:
+    """Run `python -m torch.distributed.run --standalone --nproc-per-node nproc script ARGS` once per variant
+    (name -> ARGS), one after the other, as a terminal would: fresh interpreters, no helpers.launch. Prints the
+    workers' lines that `show` picks as they come, and returns each variant's whole output (stdout and stderr),
+    with this machine's paths shortened."""
+    from helpers.launcher.api import stop_launch_server
+
+    stop_launch_server(before="torchrun's fresh interpreters")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    outputs = {}
+    for name, args in variants.items():
+        command = ["torchrun", "--standalone", f"--nproc-per-node={nproc}", os.path.relpath(script, REPO_ROOT),
+                   *map(str, args)]
+        print(f"[{name}] $ {' '.join(command)}   (3 fresh interpreters import torch: a few seconds)", flush=True)
+        started = time.perf_counter()
+        process = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *command[1:]], cwd=REPO_ROOT,
+                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        lines: list[str] = []
+        quiet = threading.Event()
+
+        def heartbeat(name: str = name, started: float = started, quiet: threading.Event = quiet) -> None:
+            while not quiet.wait(4):
+                print(f"[{name}] still running after {time.perf_counter() - started:.0f} s", flush=True)
+
+        beat = threading.Thread(target=heartbeat, daemon=True)
+        beat.start()
+        try:
+            for line in process.stdout:
+                lines.append(line)
+                if show(line):
+                    print(f"[{name}] {line.rstrip()}", flush=True)
+            process.wait(timeout=300)
+        finally:
+            quiet.set()
+            process.kill()
+        print(f"[{name}] torchrun exited with code {process.returncode} after "
+              f"{time.perf_counter() - started:.1f} s", flush=True)
+        outputs[name] = _shorter("".join(lines))
+    return outputs

@@ -129,3 +129,25 @@ def plain_log_ticks(ax: Any, ticks: Sequence[float], axis: str = "x") -> None:
     which.set_ticks(list(ticks), [f"{t:g}" for t in ticks])
     which.set_minor_locator(NullLocator())
     which.set_minor_formatter(NullFormatter())
+
+
+def plot_timings(timings: Mapping[str, Any], *, title: str, unit: float = 1e-3, ylabel: str = "ms per step",
+                 ax: plt.Axes | None = None) -> plt.Axes:
+    """Timings from helpers.kit.timing (name -> Timing): for each setting its median wall time (a bar, with the
+    lowest and highest round as a whisker) and its median CPU time (a narrower hatched bar beside it)."""
+    ax = _axes(ax)
+    names = list(timings)
+    positions = range(len(names))
+    for offset, kind, width, style in ((-0.18, "wall", 0.36, {}), (0.16, "cpu", 0.26, {"hatch": "//", "alpha": 0.5})):
+        medians = [timings[n].median(kind) / unit for n in names]
+        spreads = [timings[n].spread(kind) for n in names]
+        whiskers = [[m - low / unit for m, (low, _) in zip(medians, spreads, strict=True)],
+                    [high / unit - m for m, (_, high) in zip(medians, spreads, strict=True)]]
+        ax.bar([p + offset for p in positions], medians, width=width, yerr=whiskers, capsize=3,
+               color="tab:blue" if kind == "wall" else "tab:gray", label=f"{kind} time" if kind == "wall" else
+               "CPU time (all ranks)", **style)
+    ax.set_xticks(list(positions), names)
+    ax.set(title=title, ylabel=ylabel)
+    ax.legend(fontsize="small")
+    ax.grid(axis="y", alpha=0.3)
+    return ax

@@ -3,14 +3,17 @@
     from helpers.lessons.ranks import check_global_rank
     check_global_rank(global_rank, workers)   # workers: whoami.py's results, one dict per process
 
-The check's bigger job gets its expected ranks from torch itself: `torch_ranks` runs the elastic agent's own
-rank assignment (`_assign_worker_ranks`, torch/distributed/elastic/agent/server/api.py) for several agents, in
-threads that share one in-memory store, as real agents share the rendezvous store.
+global_rank(node_rank, local_rank, procs_per_node) is the learner's: procs_per_node[k] is how many processes node k
+runs. The check's second job, whose nodes run different numbers of processes, gets its expected ranks from torch
+itself: `torch_ranks` runs the elastic agent's own rank assignment (`_assign_worker_ranks`,
+torch/distributed/elastic/agent/server/api.py) for several agents, in threads that share one in-memory store, as
+real agents share the rendezvous store.
 
 Taught in notebooks/00_start_here.ipynb.
 """
 from __future__ import annotations
 
+import numbers
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
@@ -52,24 +55,59 @@ def torch_ranks(procs_per_node: Sequence[int], timeout: float = 30.0) -> dict[tu
     return ranks
 
 
-def check_global_rank(global_rank: Callable[[int, int, int], int], workers: Sequence[Mapping[str, Any]],
-                      bigger_job: tuple[int, int] = (3, 4)) -> bool:
-    """Does global_rank(node_rank, local_rank, nproc_per_node) give every process of the run its RANK,
-    and every process of a `bigger_job` (nodes, processes per node) the rank torch's elastic agent gives it?"""
-    nproc_per_node = len(workers) // len({int(w["node_rank"]) for w in workers})
-    cases = [(int(w["node_rank"]), int(w["local_rank"]), nproc_per_node, int(w["rank"]), "of the run above")
-             for w in workers]
-    nodes, procs = bigger_job
-    cases += [(node, local, procs, rank, f"of a {nodes} x {procs} job")
-              for (node, local), rank in sorted(torch_ranks([procs] * nodes).items())]
-    for node_rank, local_rank, per_node, expected, where in cases:
-        try:
-            got = global_rank(node_rank, local_rank, per_node)
-        except Exception as error:  # the learner's code: any error is an answer to report
-            return not_yet(f"global_rank({node_rank}, {local_rank}, {per_node}) raised "
-                           f"{type(error).__name__}: {error}")
+def check_global_rank(global_rank: Callable[[int, int, list[int]], int], workers: Sequence[Mapping[str, Any]],
+                      uneven_job: Sequence[int] = (3, 1, 4)) -> bool:
+    """Does global_rank(node_rank, local_rank, procs_per_node) give every process of the run its RANK, and every
+    process of a job whose nodes run `uneven_job` processes the rank torch's elastic agent gives it?"""
+    per_node = [0] * (1 + max(int(w["node_rank"]) for w in workers))
+    for w in workers:
+        per_node[int(w["node_rank"])] += 1
+    jobs = [(per_node, {(int(w["node_rank"]), int(w["local_rank"])): int(w["rank"]) for w in workers},
+             "the run above"),
+            (list(uneven_job), torch_ranks(list(uneven_job)), f"a job whose nodes run {list(uneven_job)} processes")]
+    for procs, expected, where in jobs:
+        got: dict[tuple[int, int], Any] = {}
+        for node_rank, local_rank in sorted(expected):
+            try:
+                got[node_rank, local_rank] = global_rank(node_rank, local_rank, list(procs))
+            except Exception as error:  # the learner's code: any error is an answer to report
+                return not_yet(f"global_rank({node_rank}, {local_rank}, {procs}) raised "
+                               f"{type(error).__name__}: {error}")
         if got != expected:
-            return not_yet(f"for node_rank {node_rank}, local_rank {local_rank} {where}, global_rank(...) "
-                           f"returned {got!r}, but torchrun gives RANK {expected}.")
-    return correct(f"global_rank gives the RANK of all {len(workers)} processes of the run above and of all "
-                   f"{nodes * procs} processes of a job of {nodes} nodes x {procs} processes.")
+            right_so_far = "" if where == "the run above" else (
+                f"Right for the run above, where every node runs {per_node[0]} processes; wrong for nodes of "
+                "different sizes: ")
+            return not_yet(right_so_far + _what_is_wrong(got, expected, procs, where))
+    return correct(f"global_rank gives the RANK torchrun gives every process of the run above ({per_node} "
+                   f"processes per node) and of a job whose nodes run {list(uneven_job)} processes, as torch's "
+                   "own agents assign them.")
+
+
+def _what_is_wrong(got: dict[tuple[int, int], Any], expected: dict[tuple[int, int], int], procs: list[int],
+                   where: str) -> str:
+    """The first mistake in `got` that a learner can act on, most telling first."""
+    call = "global_rank({}, {}, " + str(procs) + ")"
+    for (node, local), value in sorted(got.items()):
+        if not isinstance(value, numbers.Real) or isinstance(value, bool):
+            return f"{call.format(node, local)} returned {value!r} ({type(value).__name__}); RANK is a number."
+    owners: dict[int, tuple[int, int]] = {}
+    for (node, local), value in sorted(got.items()):
+        if value in owners:
+            first = owners[value]
+            return (f"in {where}, two processes got RANK {value}: node {first[0]}'s local rank {first[1]} and node "
+                    f"{node}'s local rank {local}. Every process of a job needs a RANK of its own.")
+        owners[value] = (node, local)
+    if got[0, 0] != 0:
+        return (f"{call.format(0, 0)} returned {got[0, 0]}, but the job's first process (node 0, local rank 0) "
+                "gets RANK 0: ranks count from 0.")
+    for (node, local), value in sorted(got.items()):
+        following = got.get((node, local + 1))
+        if following is not None and following != value + 1:
+            return (f"in {where}, node {node}'s local ranks {local} and {local + 1} got RANKs {value} and {following}. "
+                    "torchrun gives the processes of one node consecutive ranks (look at the table from the run).")
+    for (node, local), value in sorted(got.items()):
+        if value != expected[node, local]:
+            return (f"{call.format(node, local)} returned {value}, but torchrun gives RANK {expected[node, local]}. "
+                    f"In {where}, each node's processes get consecutive ranks, node after node: which ranks do "
+                    f"the nodes before node {node} take?")
+    raise AssertionError("unreachable: got differs from expected")

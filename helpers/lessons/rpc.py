@@ -1,37 +1,78 @@
-"""Lesson 05's exercise check (RPC): a counter that lives on one worker, called by another.
+"""Lesson 05's exercise check (RPC): a counter that lives on one worker, called by another; and what the lesson reads
+from torch's source.
 
     check_counter("my_counter.py")          # prints "Correct: ..." or "Not yet: ..."
+    step_locks()                            # which remote optimizer step takes a lock (read from torch's source)
 """
 from __future__ import annotations
 
-from helpers.lessons.checks import correct, not_yet
+import ast
+import inspect
+import textwrap
+import threading
+from pathlib import Path
+
+from helpers.lessons.checks import announce_run, correct, each_rank, not_yet, not_yet_crashed
 
 SERIAL_SECONDS = 0.6  # ten add() calls one after another take at least 10 x 0.1 s; at once, about 0.1 + 10 x 0.01 s
 
 
-def check_counter(script: str) -> bool:
+def check_counter(script: str | Path, timeout: float = 60) -> bool:
     """The exercise's check: launch `script` on 2 processes and say what is right, or what is still wrong.
 
-    The owner is the name the script reports (`counter.owner().name`): the check cannot see inside worker1. The
-    timing and the count make a local stand-in (a thread pool on worker0) unlikely to pass by accident, not
-    impossible to write on purpose."""
-    from helpers import launch
+    The owner is where the Counter object was created, as the script reports it (`Counter.where()`, which returns
+    the name recorded by its constructor). The timing and the count make a local stand-in (a thread pool on worker0)
+    unlikely to pass by accident, not impossible to write on purpose."""
+    from helpers import LaunchTimeout, WorkerFailed, launch
 
-    got = launch(script, nproc=2, echo=False, timeout=60).results.get(0, {})
+    name = Path(script).name
+    if not Path(script).exists():
+        return not_yet(f"{name} does not exist yet: run the %%writefile cell above it first.")
+    source = Path(script).read_text()
+    announce_run(name, 2, timeout, stop_after=20)
+    try:
+        got = launch(script, nproc=2, echo=False, timeout=timeout).results.get(0, {})
+    except LaunchTimeout as error:
+        return not_yet(f"{name} was still running after {timeout:g} s. Is a future never waited for, or a call "
+                       f"waiting for itself? Where each rank was:{each_rank(error.where)}")
+    except WorkerFailed as error:
+        return not_yet_crashed(error, name)
     count, owner, partial, seconds = (got.get(key) for key in ("count", "owner", "partial_counts", "seconds"))
     problems = []
     if owner != "worker1":
-        problems.append(f"the counter lives on {owner!r}: create it on worker1 with rpc.remote and call it "
-                        "through the RRef")
+        problems.append(f"the counter was created on {owner!r}: create it on worker1 with rpc.remote(\"worker1\", "
+                        "Counter) and call its methods through the RRef (counter.rpc_sync().where() reports where "
+                        "it lives)")
     if seconds is None or seconds > SERIAL_SECONDS:
-        problems.append(f"the ten add() calls took more than {SERIAL_SECONDS} s, so they ran one after another: "
-                        "send all ten with counter.rpc_async().add(1), then wait for the futures")
+        serial = f"the ten add() calls took more than {SERIAL_SECONDS} s, so they ran one after another"
+        if "rpc_async" not in source:
+            problems.append(f"{serial}: send all ten with counter.rpc_async().add(1), then wait for the futures")
+        elif "Lock" in source:
+            problems.append(f"{serial} on worker1: is your lock held during add()'s slow 0.1 s sleep? Hold it only "
+                            "around the read and the write (and send all ten calls before waiting for any)")
+        else:
+            problems.append(f"{serial}: send all ten with counter.rpc_async().add(1) before you wait for any of "
+                            "the futures")
     if count != 10 or partial != list(range(1, 11)):
         problems.append(f"the count is {count!r} and the ten add() calls returned {partial!r}, not 1..10: calls "
                         "running at once overwrote each other's update; guard add()'s read and write with a "
                         "threading.Lock")
     if problems:
         return not_yet("; ".join(problems) + ".")
-    return correct(f"your script reports worker1 as the counter's owner; ten add() calls ran there at once (in less "
-                   f"than {SERIAL_SECONDS} s), and the lock kept every update: they returned 1..10 and the total is "
-                   "10.")
+    return correct(f"the counter lives on worker1; ten add() calls ran there at once (in less than {SERIAL_SECONDS} "
+                   "s), and the lock kept every update: they returned 1..10 and the total is 10.")
+
+
+def step_locks() -> dict[str, list[str]]:
+    """The `with` statements in each remote optimizer's `step` whose context manager is a threading lock, read from
+    the installed torch with `ast`: {class name: [lock expressions]}."""
+    from torch.distributed.optim import optimizer as distributed_optimizer
+
+    def locks_taken(method) -> list[str]:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(method)))
+        managers = [ast.unparse(item.context_expr) for node in ast.walk(tree) if isinstance(node, ast.With)
+                    for item in node.items]
+        return [m for m in managers if isinstance(eval(m, vars(distributed_optimizer)), type(threading.Lock()))]
+
+    return {cls.__name__: locks_taken(cls.step)
+            for cls in (distributed_optimizer._FunctionalLocalOptimizer, distributed_optimizer._LocalOptimizer)}

@@ -130,6 +130,68 @@ def held_by_stage(layers: int, width: int, hidden: int, world_size: int) -> dict
             for stage in STAGES}
 
 
+def stages_figure(held: dict[str, dict[str, int]]) -> Any:
+    """One rank's bytes at each ZeRO stage, part by part: the parts FSDP2 sharded (their sizes torch's) solid, the
+    parts the stage keeps whole on every rank (the paper's definition, our SHARDED_PARTS table) hatched."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 2.8))
+    colours = dict(zip(PARTS, ("tab:blue", "tab:orange", "tab:green", "tab:red"), strict=True))
+    for y, stage in enumerate(STAGES):
+        left = 0.0
+        for part in PARTS:
+            value = held[stage][part] / GB
+            sharded = part in SHARDED_PARTS[stage]
+            ax.barh(y, value, left=left, color=colours[part], alpha=1 if sharded else 0.35,
+                    hatch=None if sharded else "//", edgecolor="white" if sharded else colours[part],
+                    label=part if y == 0 else None)
+            left += value
+        shards = sum(held[stage][p] for p in PARTS if p in SHARDED_PARTS[stage]) / GB
+        ax.text(left, y, f"  {left:.3g} GB, of which {shards:.3g} in FSDP2's shards", va="center", fontsize="small")
+    ax.set_yticks(range(len(STAGES)), STAGES)
+    ax.invert_yaxis()
+    ax.set(xlabel="GB (10^9 bytes) one rank keeps", xlim=(0, 175),
+           title="7.5B parameters on 64 ranks: hatched = kept whole on every rank, solid = FSDP2's 1/64 shard")
+    ax.legend(fontsize="x-small", loc="lower right")
+    fig.tight_layout()
+    return fig
+
+
+def shard_sweep(layers: int, width: int, hidden: int, world_sizes: tuple[int, ...] = (64, 128, 256, 512),
+                say: Any = print) -> dict[tuple[int, int], dict[str, int]]:
+    """held_sharded for the first and the last rank of each world size, one line printed as each size is done."""
+    n_params = layers * width * hidden
+    say(f"{'ranks':>6}{'16 Psi / N':>12}{'rank 0':>10}{'last rank':>11}   GB per rank at ZeRO-3", flush=True)
+    sweep = {}
+    for world_size in world_sizes:
+        for rank in (0, world_size - 1):
+            with simulated_world(world_size, rank=rank):
+                sweep[world_size, rank] = held_sharded(layers, width, hidden, world_size)
+        first, last = total(sweep[world_size, 0]), total(sweep[world_size, world_size - 1])
+        say(f"{world_size:>6}{16 * n_params / world_size / GB:>12.4f}{first / GB:>10.4f}{last / GB:>11.4f}", flush=True)
+    return sweep
+
+
+def sweep_figure(sweep: dict[tuple[int, int], dict[str, int]], n_params: int) -> Any:
+    """GB per rank at ZeRO-3 against the number of ranks: the first and the last rank, and 16 Psi / N."""
+    import matplotlib.pyplot as plt
+
+    sizes = sorted({n for n, _ in sweep})
+    fig, ax = plt.subplots(figsize=(5.5, 3))
+    ax.plot(sizes, [16 * n_params / n / GB for n in sizes], "k--", label="16 Psi / N (even split)")
+    ax.plot(sizes, [total(sweep[n, 0]) / GB for n in sizes], "o-", label="rank 0")
+    ax.plot(sizes, [total(sweep[n, n - 1]) / GB for n in sizes], "s-", label="last rank")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.minorticks_off()
+    ax.set_xticks(sizes, [str(n) for n in sizes])
+    ax.yaxis.set_major_formatter(plt.FuncFormatter(lambda value, _: f"{value:g}"))
+    ax.set(xlabel="ranks N", ylabel="GB one rank keeps", title="ZeRO-3 shards of the stand-in, from FSDP2")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    return fig
+
+
 def paper_figure_1(n_params: float, world_size: int, k: int = 12) -> dict[str, float]:
     """The ZeRO paper's Figure 1 formulas, bytes per device:
     (2+2+K) Psi, 2 Psi + 2 Psi + K Psi / N, 2 Psi + (2+K) Psi / N, (2+2+K) Psi / N."""
@@ -271,6 +333,24 @@ def collective_counts(mesh_shape: tuple[int, int], sequence_parallel: bool = Tru
     return counts
 
 
+def counts_figure(counts: dict[tuple[int, int], dict[str, dict[str, int]]]) -> Any:
+    """Collectives per step on each mesh dimension, one group of bars per mesh (from collective_counts)."""
+    import matplotlib.pyplot as plt
+
+    keys = sorted({(dim, op) for measured in counts.values() for dim in measured for op in measured[dim]})
+    fig, ax = plt.subplots(figsize=(7, 2.6))
+    width = 0.8 / len(counts)
+    for i, (shape, measured) in enumerate(counts.items()):
+        ax.bar([k + i * width for k in range(len(keys))], [measured[dim].get(op, 0) for dim, op in keys], width,
+               label=f"mesh {shape}, {shape[0] * shape[1]} ranks")
+    ax.set_xticks([k + width * (len(counts) - 1) / 2 for k in range(len(keys))],
+                  [f"{dim}\n{op.replace('_', ' ')}" for dim, op in keys], fontsize="small")
+    ax.set(ylabel="calls per step", title="one FSDP x TP training step, counted by CommDebugMode")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    return fig
+
+
 def named_counts(comm_counts: dict[str, int]) -> dict[str, int]:
     """CommDebugMode's {op: count} (op as a string) as {"all_gather": ..., ...}; an unknown op raises KeyError."""
     named: dict[str, int] = {}
@@ -280,10 +360,14 @@ def named_counts(comm_counts: dict[str, int]) -> dict[str, int]:
     return dict(sorted(named.items()))
 
 
-def tp_step_counts(world_size: int) -> dict[str, dict[str, int]]:
+def tp_step_counts(world_size: int, replicate_grads: bool = False) -> dict[str, dict[str, int]]:
     """The twin's layout (lesson 10's TP plan with SP on a 1-D mesh, no FSDP) on the fake backend: the first step's
-    collectives, counted apart for forward + backward and for the optimizer step (CommDebugMode)."""
+    collectives, counted apart for forward + backward and for the optimizer step (CommDebugMode).
+
+    replicate_grads: after backward, turn every gradient left Partial (the norm weights') into Replicate once, so
+    that the optimizer reads a summed gradient instead of summing it again at each of its reads."""
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
     from torch.distributed.tensor.debug import CommDebugMode
 
     from helpers.kit.transformer import Transformer, apply_tp, batch, loss_fn, make_optimizer
@@ -294,6 +378,9 @@ def tp_step_counts(world_size: int) -> dict[str, dict[str, int]]:
         inputs, targets = batch(0, 4)
         with CommDebugMode() as passes:
             loss_fn(model(inputs), targets).backward()
+            for p in model.parameters():
+                if replicate_grads and isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements):
+                    p.grad = p.grad.redistribute(placements=[Replicate()] * p.grad.device_mesh.ndim)
         with CommDebugMode() as update:
             optimizer.step()
     return {"forward+backward": named_counts(passes.get_comm_counts()),
@@ -321,30 +408,145 @@ def fsdp_collectives(blocks: int) -> dict[str, int]:
 
 
 @functools.cache
-def _tp_counts_without_sp_cached(blocks: int) -> tuple[tuple[str, int], ...]:
-    return tuple(sorted(collective_counts((1, 2), sequence_parallel=False, blocks=blocks)["tp"].items()))
+def _tp_phase_counts_cached(blocks: int) -> tuple[tuple[str, tuple[tuple[str, int], ...]], ...]:
+    """CommDebugMode's counts, forward and backward apart, of lesson 10's TP plan without sequence parallelism on
+    2 fake ranks (the tp dimension alone: FSDP over dp adds nothing on tp)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from helpers.kit.transformer import apply_tp, batch, loss_fn
+
+    with simulated_world(2):
+        model = apply_tp(model_for(2, blocks), init_device_mesh("cpu", (2,)), sequence_parallel=False)
+        inputs, targets = batch(0, 2)
+        with CommDebugMode() as forward:
+            loss = loss_fn(model(inputs), targets)
+        with CommDebugMode() as backward:
+            loss.backward()
+    return tuple((phase, tuple(sorted(named_counts(mode.get_comm_counts()).items())))
+                 for phase, mode in (("forward", forward), ("backward", backward)))
 
 
-def _tp_counts_without_sp(blocks: int) -> dict[str, int]:
-    """CommDebugMode's tp counts for lesson 10's plan without sequence parallelism (measured once per block count)."""
-    return dict(_tp_counts_without_sp_cached(blocks))
+def tp_phase_counts(blocks: int) -> dict[str, dict[str, int]]:
+    """Torch's tp collectives without sequence parallelism, {"forward": {...}, "backward": {...}} (measured once)."""
+    return {phase: dict(counts) for phase, counts in _tp_phase_counts_cached(blocks)}
+
+
+def _counts_of(answer: Any) -> dict[str, dict[str, int]]:
+    """A learner's {"forward": {...}, "backward": {...}}, zero counts dropped; ValueError if it has another shape."""
+    if not isinstance(answer, dict) or set(answer) != {"forward", "backward"}:
+        raise ValueError
+    return {phase: {op: int(n) for op, n in dict(answer[phase]).items() if n} for phase in ("forward", "backward")}
+
+
+def _where_it_differs(yours: dict[int, dict], torch_counts: dict[int, dict]) -> str | None:
+    """What is wrong with the learner's counts for 1, 2 and 3 blocks, in words, without torch's numbers."""
+    for phase in ("forward", "backward"):
+        ops = sorted({op for b in yours for op in {**yours[b][phase], **torch_counts[b][phase]}})
+        for op in ops:
+            mine = [yours[b][phase].get(op, 0) for b in (1, 2, 3)]
+            real = [torch_counts[b][phase].get(op, 0) for b in (1, 2, 3)]
+            if mine == real:
+                continue
+            if not any(real):
+                return f"torch ran no {op} in {phase}; your counts have some."
+            if not any(mine):
+                return f"your {phase} has no {op}; torch ran some. Which layer's output, or input, needs one?"
+            if mine[1] - mine[0] != mine[2] - mine[1]:
+                return (f"your {phase} count of {op} does not grow by the same amount with each block, and every "
+                        "block has the same layers.")
+            slope, torch_slope = mine[1] - mine[0], real[1] - real[0]
+            if slope != torch_slope:
+                return (f"per block, your {phase} count of {op} is too {'low' if slope < torch_slope else 'high'}: "
+                        f"some layer of a block {'runs one you did not count' if slope < torch_slope else 'runs none'}"
+                        ". In backward, each layer whose input was turned into a DTensor sends that input's gradient "
+                        "back on its own.")
+            return (f"per block your {phase} count of {op} is right, but the part outside the blocks is too "
+                    f"{'low' if mine[0] < real[0] else 'high'}: look at the embedding and the output layer.")
+    return None
 
 
 def check_tp_counts_without_sp(tp_counts: Any) -> bool:
-    """The exercise: `tp_counts(blocks)` -> the TP collectives of one step without sequence parallelism."""
+    """The exercise: `tp_counts(blocks)` -> {"forward": {...}, "backward": {...}}, the tp collectives of one training
+    step of lesson 10's plan without sequence parallelism, checked against torch's counts for 1, 2 and 3 blocks.
+    A wrong answer hears where it differs (which phase and collective, per block or outside the blocks), not
+    torch's numbers: the exercise is to derive them from the plan."""
+    import traceback
+
     from helpers.lessons.checks import correct, not_yet
 
+    print("Counting torch's collectives for 1, 2 and 3 blocks on 2 fake ranks (a few seconds the first time)...",
+          flush=True)
+    yours, real = {}, {}
     for blocks in (1, 2, 3):
-        measured = _tp_counts_without_sp(blocks)
         try:
-            given = dict(tp_counts(blocks))
-            yours = {name: count for name, count in given.items() if count}
+            yours[blocks] = _counts_of(tp_counts(blocks))
+        except ValueError:
+            return not_yet(f"tp_counts({blocks}) should return {{'forward': {{...}}, 'backward': {{...}}}}, each a "
+                           "dict of collective names (all_reduce, all_gather, reduce_scatter) to counts.")
         except Exception as error:
-            return not_yet(f"tp_counts({blocks}) raised {type(error).__name__}: {error}")
-        if yours != measured:
-            return not_yet(f"with {blocks} block(s) torch ran {measured} per step on the tp dimension; "
-                           f"your formula says {given}.")
-    return correct("your formula matches CommDebugMode's counts for 1, 2 and 3 blocks.")
+            frame = traceback.extract_tb(error.__traceback__)[-1]
+            return not_yet(f"tp_counts({blocks}) raised {type(error).__name__}: {error} (line {frame.lineno} of "
+                           f"your cell: {frame.line})")
+        real[blocks] = tp_phase_counts(blocks)
+    wrong = _where_it_differs(yours, real)
+    if wrong:
+        return not_yet(wrong)
+    return correct("your counts match CommDebugMode's, forward and backward, for 1, 2 and 3 blocks.")
+
+
+class _FullTensorBytes:
+    """Ours, a TorchDispatchMode made on first use: the calls and the full-tensor bytes of FSDP2's c10d collectives
+    (an all-gather's output, a reduce-scatter's input), as lesson 10's worker counts them."""
+
+    @staticmethod
+    def make() -> Any:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class FullTensorBytes(TorchDispatchMode):
+            def __init__(self) -> None:
+                super().__init__()
+                self.calls: dict[str, int] = {}
+                self.bytes: dict[str, int] = {}
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = {"_allgather_base_": "all_gather", "_reduce_scatter_base_": "reduce_scatter"}.get(
+                    func.__name__.split(".")[0])
+                if name is not None:
+                    full = args[0] if name == "all_gather" else args[1]
+                    self.calls[name] = self.calls.get(name, 0) + 1
+                    self.bytes[name] = self.bytes.get(name, 0) + full.numel() * full.element_size()
+                return func(*args, **(kwargs or {}))
+
+        return FullTensorBytes()
+
+
+def fsdp_dp_traffic(world_size: int = 8, microbatches: int = 1, reduce_dtype: torch.dtype = torch.bfloat16,
+                    regather: bool = True, reduce_every_microbatch: bool = True, layers: int = 4,
+                    width: int = 64) -> dict[str, Any]:
+    """FSDP2's own data-parallel collectives for one training step of `microbatches` micro-batches, on the fake
+    backend: `layers` bias-free Linear(width, width) layers, each its own unit, under a root with no parameters of
+    its own, with MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=reduce_dtype), reshard_after_forward=regather;
+    without reduce_every_microbatch, set_requires_gradient_sync(False) until the last micro-batch.
+    Returns the calls and full-tensor bytes of each collective (counted by our dispatch mode), and Psi."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    with simulated_world(world_size):
+        mesh = init_device_mesh("cpu", (world_size,))
+        model = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(layers)])
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+        for layer in model:
+            fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=regather)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        inputs = torch.randn(2, width)
+        model(inputs).float().sum().backward()  # the first step also initialises FSDP: not counted
+        with _FullTensorBytes.make() as counter:
+            for micro in range(microbatches):
+                if not reduce_every_microbatch:
+                    model.set_requires_gradient_sync(micro == microbatches - 1)
+                model(inputs).float().sum().backward()
+    return {"calls": counter.calls, "bytes": counter.bytes, "n_params": layers * width * width}
 
 
 # --- the control for the twin: in which order does each backend add up four ranks? ------------------------------
@@ -366,6 +568,28 @@ def order_probe_twin(world_size: int = 4) -> dict[str, list[float]]:
 
 
 # --- the planner: our formulas, checked against the simulations above -------------------------------------------
+
+def dp_traffic(psi: float, dp: int, stage: str, microbatches: int = 1, reduce_bytes: int = 2, regather: bool = True,
+               reduce_every_microbatch: bool = True) -> float:
+    """Bytes one rank sends per step on the data-parallel dimension (ring: (dp - 1) / dp of each full tensor), for
+    Psi' parameters kept in bf16 (2 bytes) whose gradients are reduced in `reduce_bytes` per value (2: bf16; 4: fp32,
+    torchtitan's default reduce dtype).
+    DP: the gradients all-reduced (a reduce-scatter and an all-gather). ZeRO-1 and ZeRO-2: the gradients
+    reduce-scattered, the updated weights all-gathered once per step. ZeRO-3 (FSDP2): the weights all-gathered before
+    each micro-batch's forward and, with `regather` (FSDP2's default reshard_after_forward for every unit but the
+    root), again before its backward; the gradients reduce-scattered.
+    The gradients are reduced after every micro-batch's backward (FSDP2's default) unless reduce_every_microbatch is
+    False (DDP's no_sync, FSDP2's set_requires_gradient_sync(False) until the last micro-batch): then once per step.
+    Checked against FSDP2's own collectives in lesson 11 (fsdp_dp_traffic); a root that holds parameters is not
+    gathered again in backward, which this formula leaves out."""
+    ring = (dp - 1) / dp
+    reductions = microbatches if reduce_every_microbatch else 1
+    if stage == "DP":
+        return ring * 2 * reduce_bytes * psi * reductions
+    if stage in ("ZeRO-1", "ZeRO-2"):
+        return ring * (reduce_bytes * psi * reductions + 2 * psi)
+    return ring * (2 * psi * microbatches * (2 if regather else 1) + reduce_bytes * psi * reductions)
+
 
 def ring_attention_bytes(tokens: float, kv_hidden: int, cp: int, bytes_per_value: int = 2,
                          gradient_bytes_per_value: int = 4) -> float:
@@ -400,27 +624,28 @@ def attention_saved_bytes(tokens: float, hidden: int, heads: int, cp: int = 1, b
 
 def plan(n_params: float, dp: int, tp: int = 1, pp: int = 1, microbatches: int = 1, stage: str = "ZeRO-3",
          fp32_gradients: bool = False, blocks: int = 2, tokens: int = 4096, hidden: int = 4096, cp: int = 1,
-         ep: int = 1, expert_params: float = 0.0, top_k: int = 2, heads: int = 32,
-         kv_heads: int | None = None) -> dict[str, Any]:
+         ep: int = 1, expert_params: float = 0.0, top_k: int = 2, heads: int = 32, reduce_bytes: int = 2,
+         regather: bool = True, reduce_every_microbatch: bool = True, kv_heads: int | None = None) -> dict[str, Any]:
     """Our planner for a dp x tp x pp x cp layout, ep carved from the dp x cp ranks, with ZeRO `stage` (formulas, not
     measurements).
 
     memory: bytes per rank by part, the ZeRO paper's accounting (plus fp32 gradients, 4 bytes, sharded from ZeRO-2
-    on, as the Playbook notes). A rank holds dense / (tp x pp) dense parameters and expert_params / (tp x pp x ep)
-    expert parameters. The cp ranks hold the same weights as the dp ranks (they split the sequence, not the model),
-    so ZeRO shards the dense parameters over dp x cp ranks; each expert lives on dp x cp / ep ranks, and ZeRO shards
-    it over those (torchtitan's fsdp = dp_shard x cp and efsdp = fsdp / ep). traffic: bytes each rank sends per step
-    on each mesh dimension, ring algorithms ((n-1)/n of the data per all-gather or reduce-scatter, twice that per
-    all-reduce). "dp": the weights' gradients (and at ZeRO-3 the weights) over the ranks that hold the same weights,
-    dp x cp for the dense ones and dp x cp / ep for the experts: bf16 gradients (2 bytes a parameter, an all-reduce)
-    or, at ZeRO-3, bf16 weights twice and gradients once. tp moves the activations (tokens / cp x hidden x 2 bytes per
-    micro-batch) 8 times per block with sequence parallelism; pp sends one activation forward and one gradient back
-    per micro-batch; cp: torch's ring attention, ring_attention_bytes per block (bf16 k and v, float32 gradients),
-    with kv_heads key/value heads of heads (grouped-query attention; all of them by default); ep: four token
-    all-to-alls per block, moe_all_to_all_bytes (every block a MoE block, experts equally loaded). counts:
-    collectives per step for lesson 10's transformer with `blocks` blocks. bubble: (pp - 1) / (microbatches + pp - 1).
-    attention saved: bytes one rank keeps for backward per attention layer and micro-batch (attention_saved_bytes).
-    cp = ep = 1 gives lesson 11's planner.
+    on, as the Playbook notes); activations are not counted. A rank holds dense / (tp x pp) dense parameters and
+    expert_params / (tp x pp x ep) expert parameters. The cp ranks hold the same weights as the dp ranks (they split
+    the sequence, not the model), so ZeRO shards the dense parameters over dp x cp ranks; each expert lives on
+    dp x cp / ep ranks, and ZeRO shards it over those (torchtitan's fsdp = dp_shard x cp and efsdp = fsdp / ep).
+    traffic: bytes each rank sends per step on each mesh dimension, ring algorithms ((n-1)/n of the data per
+    all-gather or reduce-scatter, twice that per all-reduce); dp: `dp_traffic` over the ranks that hold the same
+    weights, dp x cp for the dense parameters and dp x cp / ep for the experts' (gradients in `reduce_bytes` per value,
+    per micro-batch or once per step; at ZeRO-3 the bf16 weights gathered once or twice per micro-batch); tp moves the
+    activations (tokens / cp x hidden x 2 bytes per micro-batch) 8 times per block with sequence parallelism; pp sends
+    one activation forward and one gradient back per micro-batch; cp: torch's ring attention, ring_attention_bytes per
+    block (bf16 k and v, float32 gradients), with `kv_heads` key/value heads of `heads` (grouped-query attention; all
+    of them by default); ep: four token all-to-alls per block, moe_all_to_all_bytes (every block a MoE block, experts
+    equally loaded). counts: collectives per step for lesson 10's transformer with `blocks` blocks (dp: FSDP2's, per
+    micro-batch as dp_traffic counts them). bubble: (pp - 1) / (microbatches + pp - 1). attention saved: bytes one
+    rank keeps for backward per attention layer and micro-batch (attention_saved_bytes). cp = ep = 1 gives lesson 11's
+    planner.
     """
     from helpers.lessons.model_parallel import bubble_fraction
 
@@ -445,24 +670,28 @@ def plan(n_params: float, dp: int, tp: int = 1, pp: int = 1, microbatches: int =
               + experts * size / (expert_group if part in SHARDED_PARTS[stage] else 1)
               for part, size in per_param.items()}
     ring = lambda n: (n - 1) / n  # noqa: E731 - the share of the data each rank sends in a ring
-    dp_passes = 3 if stage == "ZeRO-3" else 2
     activation = tokens / cp * hidden * 2  # one micro-batch's activations on this rank in bf16, bytes
     per_block = blocks / pp * microbatches
     kv_hidden = hidden * kv_heads // heads // tp
-    traffic = {"dp": dp_passes * ring(group) * 2 * dense + dp_passes * ring(expert_group) * 2 * experts,
+    sync = (stage, microbatches, reduce_bytes, regather, reduce_every_microbatch)
+    traffic = {"dp": dp_traffic(dense, group, *sync) + dp_traffic(experts, expert_group, *sync),
                "tp": 8 * per_block * ring(tp) * activation if tp > 1 else 0.0,
                "pp": 2 * microbatches * activation if pp > 1 else 0.0,
                "cp": per_block * ring_attention_bytes(tokens, kv_hidden, cp),
                "ep": 4 * per_block * moe_all_to_all_bytes(tokens / cp, hidden, ep, top_k) if ep > 1 else 0.0}
-    counts = {"dp": fsdp_collectives(blocks) if stage == "ZeRO-3" and group > 1 else {},
+    fsdp = fsdp_collectives(blocks)
+    gathers = microbatches * (fsdp["all_gather"] if regather else blocks + 1)
+    scatters = (microbatches if reduce_every_microbatch else 1) * fsdp["reduce_scatter"]
+    counts = {"dp": {"all_gather": gathers, "reduce_scatter": scatters} if stage == "ZeRO-3" and group > 1 else {},
               "tp": tp_collectives(blocks) if tp > 1 else {}}
     return {"memory": memory, "traffic": traffic, "counts": counts, "bubble": bubble_fraction(pp, microbatches),
             "attention saved": attention_saved_bytes(tokens, hidden // tp, heads // tp, cp, kv_hidden=kv_hidden)}
 
 
 def planner_figure(billions: float = 7.5, dp: int = 64, tp: int = 1, pp: int = 1, microbatches: int = 8,
-                   stage: str = "ZeRO-3", fp32_gradients: bool = False) -> Any:
-    """Three panels from `plan`: GB per rank by ZeRO stage, GB sent per rank and step by dimension, and the bubble."""
+                   stage: str = "ZeRO-3", fp32_gradients: bool = False, reduce_bytes: int = 2) -> Any:
+    """Three panels from `plan`: GB per rank by ZeRO stage (activations not counted), GB sent per rank and step by
+    dimension, and the bubble."""
     import matplotlib.pyplot as plt
 
     _, (left, middle, right) = plt.subplots(1, 3, figsize=(12, 3.4), dpi=80, layout="constrained")
@@ -474,10 +703,10 @@ def planner_figure(billions: float = 7.5, dp: int = 64, tp: int = 1, pp: int = 1
         bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
     for x, height in enumerate(bottoms):
         left.text(x, height, f"{height:.3g}", ha="center", va="bottom", fontsize="small")
-    left.set(ylabel="GB per rank", title=f"{billions:g}B params, dp={dp} tp={tp} pp={pp}",
+    left.set(ylabel="GB per rank (no activations)", title=f"{billions:g}B params, dp={dp} tp={tp} pp={pp}",
              ylim=(0, 1.15 * max(bottoms)))
     left.legend(fontsize="x-small")
-    chosen = plan(billions * 1e9, dp, tp, pp, microbatches, stage, fp32_gradients)
+    chosen = plan(billions * 1e9, dp, tp, pp, microbatches, stage, fp32_gradients, reduce_bytes=reduce_bytes)
     shown = {dim: v for dim, v in chosen["traffic"].items() if dim in ("dp", "tp", "pp") or v}  # cp, ep when used
     sent = [v / GB for v in shown.values()]
     middle.bar(list(shown), sent, color="tab:purple")
@@ -501,18 +730,21 @@ def planner_figure(billions: float = 7.5, dp: int = 64, tp: int = 1, pp: int = 1
 
 
 def planner_explorer() -> Any:
-    """Sliders over `planner_figure` (model size, dp, tp, pp, micro-batches, stage, fp32 gradients)."""
+    """Sliders over `planner_figure` (model size, dp, tp, pp, micro-batches, stage, fp32 gradients, reduce dtype)."""
     import ipywidgets as widgets
     import matplotlib.pyplot as plt
 
+    wide = {"description_width": "initial"}
     controls = dict(
-        billions=widgets.FloatLogSlider(value=7.5, base=10, min=-1, max=3, description="params (B)"),
+        billions=widgets.SelectionSlider(options=[0.125, 0.35, 1, 3, 7.5, 13, 34, 70, 175, 405, 1000], value=7.5,
+                                         description="params (B)"),
         dp=widgets.IntSlider(value=64, min=1, max=512, description="dp"),
         tp=widgets.IntSlider(value=1, min=1, max=8, description="tp"),
         pp=widgets.IntSlider(value=1, min=1, max=16, description="pp"),
-        microbatches=widgets.IntSlider(value=8, min=1, max=64, description="micro-batches"),
+        microbatches=widgets.IntSlider(value=8, min=1, max=64, description="micro-batches", style=wide),
         stage=widgets.Dropdown(options=list(STAGES), value="ZeRO-3", description="stage"),
-        fp32_gradients=widgets.Checkbox(value=False, description="fp32 gradients"))
+        fp32_gradients=widgets.Checkbox(value=False, description="fp32 gradients"),
+        reduce_bytes=widgets.Dropdown(options=[("bf16", 2), ("fp32", 4)], value=2, description="reduce in", style=wide))
 
     def show(**values: Any) -> None:
         planner_figure(**values)
@@ -582,17 +814,18 @@ def predict_step_seconds(mode: str, *, n_params: int, tensors: int, batch: int, 
     """Our prediction of one training step on 2 ranks, in parts: compute, optimizer, communication (seconds).
 
     compute: 6 x parameters x rows / FLOP rate (forward 2, backward 4 FLOPs per parameter and row, a multiply-add
-    being 2 FLOPs, for a stack of Linear layers), from one measured matmul. optimizer: the measured Adam step, on
-    all parameters or (ZeRO-1, FSDP) on half. communication, from lesson 01's 2-rank fit t = latency + bytes /
+    being 2 FLOPs, for a stack of Linear layers), from one measured matmul. optimizer: the measured Adam step on the
+    share a rank updates: adam_seconds["full"] (local, DDP) or adam_seconds["shard"] (ZeRO-1, FSDP: the rank's own
+    share; "half" is read where "shard" is missing). communication, from lesson 01's 2-rank fit t = latency + bytes /
     bandwidth, with no overlap: DDP all-reduces each of its buckets; ZeRO-1 also broadcasts every parameter tensor
-    from its owner (ZeroRedundancyOptimizer._sync_params,
-    torch/distributed/optim/zero_redundancy_optimizer.py:813-826), each a one-way message (latency / 2 + bytes /
-    bandwidth); FSDP2 all-gathers every layer twice and reduce-scatters it once, each rank sending half (latency / 2
-    + bytes / (2 bandwidth)). "local" is the control with no peer.
+    from its owner (ZeroRedundancyOptimizer._sync_params, torch/distributed/optim/zero_redundancy_optimizer.py:813-826),
+    each a one-way message (latency / 2 + bytes / bandwidth); FSDP2 all-gathers every layer twice and reduce-scatters
+    it once, each rank sending half (latency / 2 + bytes / (2 bandwidth)). "local" is the control with no peer.
     """
     model_bytes = 4 * n_params
+    shard = adam_seconds.get("shard", adam_seconds.get("half"))
     parts = {"compute": 6 * n_params * batch / flop_rate,
-             "optimizer": adam_seconds["full" if mode in ("local", "ddp") else "half"]}
+             "optimizer": adam_seconds["full"] if mode in ("local", "ddp") else shard}
     all_reduce = sum(latency + size / bandwidth for size in bucket_bytes)
     communication = {"local": 0.0, "ddp": all_reduce,
                      "zero1": all_reduce + tensors * latency / 2 + model_bytes / bandwidth,
@@ -600,3 +833,76 @@ def predict_step_seconds(mode: str, *, n_params: int, tensors: int, batch: int, 
     if mode not in communication:
         raise ValueError(f"mode must be one of {sorted(communication)}, not {mode!r}")
     return {**parts, "communication": communication[mode]}
+
+
+def _paired(first: Any, second: Any) -> dict[str, float]:
+    """first - second round by round (the two took turns in each round): median, lowest and highest, seconds."""
+    import statistics
+
+    differences = [a - b for a, b in zip(first.wall, second.wall, strict=True)]
+    return {"median": statistics.median(differences), "low": min(differences), "high": max(differences)}
+
+
+def step_figure(analysis: dict[str, Any]) -> Any:
+    """Every round of every step setting (the slowest rank's wall time), its median, and what the model predicted
+    for it (compute and Adam, plus communication where the fit may predict)."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 2.8))
+    for y, (mode, step) in enumerate(analysis["steps"].items()):
+        ax.scatter([t * 1e3 for t in step.wall], [y] * len(step.wall), color="tab:blue", alpha=0.6,
+                   label="a round" if y == 0 else None)
+        ax.plot([step.median() * 1e3] * 2, [y - 0.3, y + 0.3], color="black", label="median" if y == 0 else None)
+        parts = analysis["predicted"].get(mode)
+        if parts is not None:
+            predicted = parts["compute"] + parts["optimizer"] + (parts["communication"] if analysis["fit_used"] else 0)
+            ax.scatter([predicted * 1e3], [y], marker="x", s=80, color="tab:red",
+                       label="predicted" if mode == "local" else None)
+    ax.set_yticks(range(len(analysis["steps"])), list(analysis["steps"]))
+    ax.invert_yaxis()
+    ax.set(xlabel="ms per step (slowest rank)", xlim=(0, None),
+           title=f"this machine's 2-rank step, {analysis['rounds']} rounds each, taking turns")
+    ax.legend(fontsize="x-small", loc="lower right")
+    fig.tight_layout()
+    return fig
+
+
+def step_time_analysis(per_rank: dict[int, dict[str, Any]], tolerance: float = 0.25) -> dict[str, Any]:
+    """What scale_step_time.py measured, merged over the ranks (a round lasts as long as its slowest rank), and our
+    prediction beside it: the latency-bandwidth fit and its residuals (measured / fitted per size; the fit is used to
+    predict only when every residual lies within 1 +- tolerance), the FLOP rate, Adam's step on each share, the
+    predicted parts of each mode, the measured steps, the verdicts of the timing protocol (on wall time, and on the
+    CPU time both ranks' processes ran), and the increments
+    measured round by round: DDP over local, FSDP2 alone over local (FSDP2's own work) and FSDP2 over FSDP2 alone
+    (what a peer adds)."""
+    from helpers.kit.timing import across_ranks, fits_within, residual_ratios, verdict
+    from helpers.lessons.collectives import fit_latency_bandwidth
+    from helpers.lessons.explorers import ddp_buckets
+
+    first = per_rank[0]
+    timings = across_ranks(per_rank[rank]["timings"] for rank in sorted(per_rank))
+    sizes = first["sizes"]
+    sweep = [timings[f"all_reduce {size}"].median() for size in sizes]
+    latency, bandwidth = fit_latency_bandwidth(sizes, sweep)
+    ratios = residual_ratios(sweep, [latency + size / bandwidth for size in sizes])
+    with torch.device("meta"):  # the worker's layer shapes, for DDP's own bucketing code
+        layers = nn.Sequential(*[nn.Linear(first["width"], first["width"]) for _ in range(first["layers"])])
+        buckets = ddp_buckets(layers, None)["rebuilt"]
+    flop_rate = 2 * first["batch"] * first["width"] ** 2 / timings["matmul"].median()
+    adam = {"full": timings["adam full"].median(), "shard": timings["adam shard"].median()}
+    rates = dict(n_params=first["n_params"], tensors=first["tensors"], batch=first["batch"], flop_rate=flop_rate,
+                 adam_seconds=adam, latency=latency, bandwidth=bandwidth, bucket_bytes=buckets)
+    steps = {mode: timings[f"step {mode}"] for mode in ("local", "ddp", "fsdp", "fsdp_alone")}
+    return {"latency": latency, "bandwidth": bandwidth, "sizes": sizes, "sweep": sweep, "ratios": ratios,
+            "fit_used": fits_within(ratios, tolerance), "tolerance": tolerance, "flop_rate": flop_rate, "adam": adam,
+            "buckets": buckets, "steps": steps, "rounds": len(steps["local"].wall),
+            "predicted": {mode: predict_step_seconds(mode, **rates) for mode in ("local", "ddp", "fsdp")},
+            "verdicts": {"ddp": verdict(steps["ddp"], steps["local"]),
+                         "fsdp_alone": verdict(steps["fsdp_alone"], steps["local"]),
+                         "fsdp": verdict(steps["fsdp"], steps["fsdp_alone"])},
+            "cpu_verdicts": {"ddp": verdict(steps["ddp"], steps["local"], "cpu"),
+                             "fsdp_alone": verdict(steps["fsdp_alone"], steps["local"], "cpu"),
+                             "fsdp": verdict(steps["fsdp"], steps["fsdp_alone"], "cpu")},
+            "increments": {"ddp": _paired(steps["ddp"], steps["local"]),
+                           "fsdp_alone": _paired(steps["fsdp_alone"], steps["local"]),
+                           "fsdp": _paired(steps["fsdp"], steps["fsdp_alone"])}}

@@ -25,15 +25,15 @@ from helpers.launcher.api import launch, start_launch_server
 
 SCRIPT = WORKERS / "allreduce_demo.py"
 
-def time_bare_torchrun() -> float:
+def time_bare_torchrun(nproc: int = 2) -> float:
     started = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                     str(SCRIPT)], check=True, capture_output=True)
     return time.perf_counter() - started
 
-def time_launch(fresh: bool = False) -> float:
+def time_launch(fresh: bool = False, nproc: int = 2) -> float:
     started = time.perf_counter()
-    launch(SCRIPT, nproc=2, echo=False, fresh=fresh)
+    launch(SCRIPT, nproc=nproc, echo=False, fresh=fresh)
     return time.perf_counter() - started
 
 def compare(rounds: int = 5, fresh: bool = False) -> dict[str, float]:

@@ -9,6 +9,7 @@ one rank (--spike-rank) is an overflow on all, every rank skips the same step, a
 equal without any extra communication. Works with one process too.
 """
 import argparse
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,21 @@ from helpers.kit.data import load
 from helpers.kit.distributed import init_distributed
 from helpers.kit.models import build_model
 from helpers.kit.reporting import progress, report, result
+
+
+def ddp_amp_step(model: DDP, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, x: torch.Tensor,
+                 y: torch.Tensor, spike: float) -> dict:
+    """One fp16 AMP step of a DDP model; whether it backed off (the scale) and stepped (the weights)."""
+    with torch.autocast(x.device.type, dtype=torch.float16):
+        loss = F.cross_entropy(model(x), y) * spike
+    optimizer.zero_grad(set_to_none=True)
+    scale = scaler.get_scale()
+    scaler.scale(loss).backward()  # DDP all-reduces the scaled gradients here: an inf on one rank reaches all
+    weights_before = [p.detach().clone() for p in model.parameters()]
+    scaler.step(optimizer)  # every rank sees the same all-reduced gradients, so every rank decides the same
+    stepped = any(not torch.equal(before, p) for before, p in zip(weights_before, model.parameters(), strict=True))
+    scaler.update()
+    return dict(scale=scale, loss=loss.item(), stepped=stepped, backed_off=scaler.get_scale() < scale)
 
 
 def main() -> None:
@@ -55,21 +71,15 @@ def main() -> None:
     skipped = []
     for step in range(first_step, first_step + args.steps):
         index = torch.randint(len(images), (args.per_rank_batch,), generator=generator)
-        with torch.autocast(device.type, dtype=torch.float16):
-            loss = F.cross_entropy(model(images[index].to(device)), labels[index].to(device))
-        if step == args.spike_step and rank == args.spike_rank:
-            loss = loss * 1e6  # one bad batch on one rank only
-        optimizer.zero_grad(set_to_none=True)
-        scale = scaler.get_scale()
-        scaler.scale(loss).backward()  # DDP all-reduces the scaled gradients here
-        scaler.step(optimizer)
-        scaler.update()
-        if scaler.get_scale() < scale:
+        spike = 1e6 if step == args.spike_step and rank == args.spike_rank else 1.0  # one bad batch, one rank
+        row = ddp_amp_step(model, optimizer, scaler, images[index].to(device), labels[index].to(device), spike)
+        if not row["stepped"]:
             skipped.append(step)
-        report(step=step, scale=scale, loss=loss.item())
+        report(step=step, **row)
         progress(step - first_step + 1, total=args.steps)
 
     if args.save and rank == 0:
+        Path(args.save).parent.mkdir(parents=True, exist_ok=True)
         torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
                     "scaler": scaler.state_dict(), "step": first_step + args.steps}, args.save)
     weights_checksum = sum(p.double().sum().item() for p in model.parameters())

@@ -20,6 +20,26 @@ from helpers.kit.models import build_model
 from helpers.kit.reporting import progress, report, result
 
 
+def scaled_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+                x: torch.Tensor, y: torch.Tensor, spike: float, max_norm: float) -> dict:
+    """One fp16 AMP step with clipping; what it did, read from the scaler and from the weights themselves."""
+    with torch.autocast(x.device.type, dtype=torch.float16):
+        loss = F.cross_entropy(model(x), y) * spike  # spike > 1: a stand-in for one bad batch
+    optimizer.zero_grad(set_to_none=True)
+    scale = scaler.get_scale()
+    scaler.scale(loss).backward()
+    scaled_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()  # S times too big
+    scaler.unscale_(optimizer)  # true gradients now, so clipping and the norm below are meaningful
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()  # the norm before clipping
+    clipped_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
+    weights_before = [p.detach().clone() for p in model.parameters()]
+    scaler.step(optimizer)  # skips optimizer.step() if any gradient is inf/NaN
+    stepped = any(not torch.equal(before, p) for before, p in zip(weights_before, model.parameters(), strict=True))
+    scaler.update()  # halves the scale after a skip; doubles it after growth_interval clean steps
+    return dict(scale=scale, loss=loss.item(), scaled_norm=scaled_norm, grad_norm=grad_norm,
+                clipped_norm=clipped_norm, skipped=not stepped, backed_off=scaler.get_scale() < scale)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=30)
@@ -45,27 +65,14 @@ def main() -> None:
     for step in range(args.steps):
         index = torch.randint(len(images), (args.per_rank_batch,))
         x, y = images[index].to(device), labels[index].to(device)
-        with torch.autocast(device.type, dtype=torch.float16):
-            loss = F.cross_entropy(model(x), y)
-        if step == args.spike_step:
-            loss = loss * args.spike
-        optimizer.zero_grad(set_to_none=True)
-        scale = scaler.get_scale()
-        scaler.scale(loss).backward()
-        scaled_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()  # S times too big
-        scaler.unscale_(optimizer)  # true gradients now, so clipping and the norm below are meaningful
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm).item()  # norm before
-        clipped_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()  # and after
-        scaler.step(optimizer)  # skips optimizer.step() if any gradient is inf/NaN
-        scaler.update()  # halves the scale after a skip; doubles it after growth_interval clean steps
-        was_skipped = scaler.get_scale() < scale
-        if was_skipped:
+        row = scaled_step(model, optimizer, scaler, x, y, args.spike if step == args.spike_step else 1.0,
+                          args.max_norm)
+        if row["skipped"]:
             skipped.append(step)
-        report(step=step, scale=scale, loss=loss.item(), scaled_norm=scaled_norm, grad_norm=grad_norm,
-               clipped_norm=clipped_norm, skipped=was_skipped)
+        report(step=step, **row)
         progress(step + 1, total=args.steps)
 
-    print(f"skipped steps: {skipped}, final scale {scaler.get_scale():g}")
+    print(f"steps that left the weights unchanged: {skipped}, final scale {scaler.get_scale():g}")
     result(skipped=skipped, final_scale=scaler.get_scale())
 
 

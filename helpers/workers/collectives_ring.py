@@ -44,8 +44,9 @@ def exchange(send: torch.Tensor, receive: torch.Tensor, rank: int, world_size: i
         request.wait()
 
 
-def ring_all_reduce(tensor: torch.Tensor) -> None:
-    """Sum `tensor` over all ranks in place, with 2(N-1) neighbour exchanges."""
+def ring_all_reduce(tensor: torch.Tensor, trace: list | None = None) -> None:
+    """Sum `tensor` over all ranks in place, with 2(N-1) neighbour exchanges (`trace`: this rank's chunks after
+    each step are appended to it, for the lesson's picture)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     chunks = list(tensor.view(-1).tensor_split(world_size))  # views: writing them writes `tensor`
     incoming = torch.empty_like(chunks[0])
@@ -54,11 +55,15 @@ def ring_all_reduce(tensor: torch.Tensor) -> None:
         buffer = incoming[: chunks[receive_index].numel()]
         exchange(chunks[send_index], buffer, rank, world_size)
         chunks[receive_index] += buffer
+        if trace is not None:
+            trace.append([chunk.tolist() for chunk in chunks])
     for step in range(world_size - 1):  # phase 2: all-gather of the finished chunks
         send_index, receive_index = (rank + 1 - step) % world_size, (rank - step) % world_size
         buffer = incoming[: chunks[receive_index].numel()]
         exchange(chunks[send_index], buffer, rank, world_size)
         chunks[receive_index].copy_(buffer)
+        if trace is not None:
+            trace.append([chunk.tolist() for chunk in chunks])
 
 
 def timed(function, tensor: torch.Tensor) -> tuple[float, int | None]:
@@ -84,7 +89,12 @@ def main() -> None:
 
     max_abs_diff = (by_hand - reference).abs().max().item()
     print(f"rank {rank}: max |ring - all_reduce| = {max_abs_diff:.2e}, sent {bytes_sent:,} bytes")
-    result(max_abs_diff=max_abs_diff, max_abs_value=reference.abs().max().item(), bytes_sent=bytes_sent,
+    sent = bytes_sent  # the picture's tiny ring below is not counted
+    # for the picture: one number per chunk, 2**rank on this rank, so a sum says whose numbers are in it
+    small = torch.full((world_size,), 2.0**rank, device=device)
+    trace = [[chunk.tolist() for chunk in small.tensor_split(world_size)]]
+    ring_all_reduce(small, trace)
+    result(max_abs_diff=max_abs_diff, max_abs_value=reference.abs().max().item(), bytes_sent=sent, trace=trace,
            ring_os_bytes=ring_os_bytes, library_os_bytes=library_os_bytes,
            tensor_bytes=data.numel() * data.element_size(), world_size=world_size,
            ring_seconds=ring_seconds, library_seconds=library_seconds, backend=dist.get_backend())

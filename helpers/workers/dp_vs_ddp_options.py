@@ -1,10 +1,11 @@
 """Three DDP options, measured: find_unused_parameters, static_graph, gradient_as_bucket_view.
 
-    torchrun --standalone --nproc-per-node 2 helpers/workers/dp_vs_ddp_options.py --steps 5
+    torchrun --standalone --nproc-per-node 2 helpers/workers/dp_vs_ddp_options.py --rounds 5
 
-For each setting: median milliseconds per step (of `--steps` in total, the first two not timed), DDP's
-buckets, and how many separate gradient buffers exist (gradient_as_bucket_view makes each .grad a view
-into DDP's bucket, so gradients are not stored twice). The timed steps zero the gradients with
+For each setting: its time per step, DDP's buckets, and how many separate gradient buffers exist
+(gradient_as_bucket_view makes each .grad a view into DDP's bucket, so gradients are not stored twice). The four
+settings take turns in one launch (helpers/kit/timing.py: a shuffled order each round, the same on every rank, after
+a warm-up round, each turn after a barrier), wall time and CPU time side by side; the steps zero the gradients with
 set_to_none=False. gradient_as_bucket_view is then run again with set_to_none=False and with set_to_none=True,
 profiling one backward: the gradients end in the buckets either way (the reducer re-points a fresh .grad at its
 bucket view), but only with set_to_none=False does the reducer skip copying each gradient into its bucket
@@ -15,7 +16,6 @@ model with a frozen layer, which needs no find_unused_parameters: DDP never regi
 gloo on CPU, nccl on GPUs.
 """
 import argparse
-import time
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 from helpers.kit.distributed import init_distributed
 from helpers.kit.models import mlp
 from helpers.kit.reporting import result
+from helpers.kit.timing import take_turns
 
 SETTINGS = {
     "default": {},
@@ -46,12 +47,11 @@ class WithUnusedBranch(nn.Module):
         return self.body(x)
 
 
-def median_step_ms(model: DDP, images: torch.Tensor, labels: torch.Tensor, steps: int) -> float:
-    """Median milliseconds per step over steps 3.. (DDP rebuilds its buckets, and records a static graph, first)."""
+def training_step(model: DDP, images: torch.Tensor, labels: torch.Tensor):
+    """A function that runs one training step of `model`."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    seconds = []
-    for _ in range(steps):
-        start = time.perf_counter()
+
+    def step() -> None:
         # set_to_none=False keeps the .grad tensors, so with gradient_as_bucket_view the next backward accumulates
         # straight into the bucket views. With set_to_none=True (the default) .grad is None, autograd makes a fresh
         # gradient, and the reducer copies it into the bucket and re-points .grad at the bucket view: the memory
@@ -62,9 +62,7 @@ def median_step_ms(model: DDP, images: torch.Tensor, labels: torch.Tensor, steps
         optimizer.step()
         if images.is_cuda:
             torch.cuda.synchronize()
-        seconds.append(time.perf_counter() - start)
-    timed = sorted(seconds[2:])
-    return 1000 * timed[len(timed) // 2]
+    return step
 
 
 REDUCER_COPIES = ("torch::distributed::reducer::mul_out", "torch::distributed::reducer::copy_")
@@ -115,30 +113,32 @@ def frozen_head(device: torch.device) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=5, help="total steps per setting (the first two not timed)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--turn-steps", type=int, default=3, help="steps per turn")
     parser.add_argument("--per-rank-batch", type=int, default=32)
     args = parser.parse_args()
-    if args.steps < 3:
-        parser.error("--steps must be at least 3: two settling steps, then at least one timed")
 
     rank, _, device = init_distributed()
     torch.manual_seed(rank)
     images = torch.rand(args.per_rank_batch, 1, 28, 28, device=device)
     labels = torch.randint(0, 10, (args.per_rank_batch,), device=device)
 
+    models = {}
     for name, options in SETTINGS.items():
         torch.manual_seed(0)
-        model = DDP(mlp(256, 14).to(device), **options)
-        step_ms = median_step_ms(model, images, labels, args.steps)
+        models[name] = DDP(mlp(256, 14).to(device), **options)
+    # one warm-up round: DDP rebuilds its buckets at the second step, static_graph records the graph in the first
+    timings = take_turns({name: training_step(model, images, labels) for name, model in models.items()},
+                         rounds=args.rounds, warmup=1, repeat=args.turn_steps, between=dist.barrier)
+    result(timings={name: timing.as_dict() for name, timing in timings.items()})
+    for name, model in models.items():
         grads = [p.grad for p in model.parameters()]
         storages = len({g.untyped_storage().data_ptr() for g in grads})
         grad_mib = sum(g.numel() * g.element_size() for g in grads) / 2**20
         logged = model._get_ddp_logging_data()  # no rebuild with find_unused_parameters: the first buckets stay
         buckets = str(logged.get("rebuilt_bucket_sizes") or logged.get("bucket_sizes", ""))
-        result(**{name: {"step_ms": step_ms, "grad_storages": storages, "parameters": len(grads),
-                         "grad_mib": round(grad_mib, 2), "buckets": len(buckets.split(", ")) if buckets else 0}})
-        if rank == 0:
-            print(f"{name}: {step_ms:.1f} ms per step, gradients in {storages} buffers")
+        result(**{name: {"grad_storages": storages, "parameters": len(grads), "grad_mib": round(grad_mib, 2),
+                         "buckets": len(buckets.split(", ")) if buckets else 0}})
     result(bucket_view_zeroing=[bucket_view_copies(device, stn, images, labels) for stn in (False, True)])
     result(unused_error=unused_branch_error(device), frozen_head=frozen_head(device))
     dist.destroy_process_group()

@@ -17,6 +17,10 @@
 --fail-mode node-lost  this node's processes die: SIGKILL to this rank's torchrun agent (its parent), then to
                        itself. The kernel then closes their sockets, so the peers see the loss at once; after a
                        real power cut nothing is closed and the peers wait for --timeout instead
+--fail-mode preempt    the polite kill of a scheduler (Slurm's --signal or preemption, a Kubernetes eviction):
+                       this rank sends SIGTERM to its torchrun agent, which forwards it to every worker. Each
+                       worker finishes its step; the ranks agree on the step to stop at, rank 0 saves a
+                       checkpoint there, and all exit. A resubmitted job resumes with no step lost
 --backend nccl         insist on GPUs: fail at start-up if CUDA is missing, instead of training on the CPU
 Without --checkpoint a restart starts again from step 0. Works with one process, gloo or nccl.
 """
@@ -52,7 +56,8 @@ def parse_args() -> argparse.Namespace:
                         help="the control: torch.save straight to --checkpoint, instead of save_checkpoint")
     parser.add_argument("--fail-rank", type=int, default=None)
     parser.add_argument("--fail-step", type=int, default=None)
-    parser.add_argument("--fail-mode", choices=["crash", "hang", "mid-save", "node-lost"], default="crash")
+    parser.add_argument("--fail-mode", choices=["crash", "hang", "mid-save", "node-lost", "preempt"],
+                        default="crash")
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds a collective may wait")
     parser.add_argument("--backend", choices=["nccl", "gloo"], default=None,
                         help="default: nccl with CUDA, gloo without; nccl fails at once when CUDA is missing")
@@ -65,9 +70,34 @@ def failing_now(args: argparse.Namespace, rank: int, step: int) -> bool:
     return first_attempt and args.fail_rank in (None, rank) and step == args.fail_step
 
 
+_stop_requested = False
+
+
+def _on_sigterm(signum, frame) -> None:
+    """torchrun forwards SIGTERM to its workers and waits --shutdown-timeout seconds (30 by default) before a
+    SIGKILL: enough to finish this step and save."""
+    global _stop_requested
+    _stop_requested = True
+
+
+def stop_agreed(device: torch.device) -> bool:
+    """Whether any rank was asked to stop: the ranks agree (one tiny all-reduce per step), so that they all stop
+    after the same step; a rank that stopped alone would leave the others waiting in the next all-reduce."""
+    flag = torch.tensor([float(_stop_requested)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
 def fail(mode: str, rank: int) -> None:
     if mode == "crash":
         raise RuntimeError(f"rank {rank}: simulated hardware failure")
+    if mode == "preempt":
+        print(f"rank {rank}: the scheduler asks the job to stop (SIGTERM to this node's torchrun agent)")
+        os.kill(os.getppid(), signal.SIGTERM)  # the agent forwards it to every worker, this one included
+        deadline = time.monotonic() + 30
+        while not _stop_requested and time.monotonic() < deadline:  # so that the run stops at a known step
+            time.sleep(0.01)
+        return
     if mode == "node-lost":
         print(f"rank {rank}: this node is gone (its torchrun agent and this worker are killed)")
         os.kill(os.getppid(), signal.SIGKILL)  # the agent first: it must not restart this worker
@@ -88,8 +118,8 @@ class KilledWhileSaving:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def join_group(timeout: timedelta, backend: str | None) -> tuple[int, int, torch.device, str]:
-    """Join the group; return (rank, world_size, device, which store the group was built on).
+def join_group(timeout: timedelta, backend: str | None) -> tuple[int, int, torch.device, str, dist.Store]:
+    """Join the group; return (rank, world_size, device, which store the group was built on, that store).
 
     Since torch 2.5 the c10d rendezvous hands the workers the agent's own TCPStore
     (TORCHELASTIC_USE_AGENT_STORE=True) and keeps it across restarts (next_rendezvous in
@@ -106,21 +136,26 @@ def join_group(timeout: timedelta, backend: str | None) -> tuple[int, int, torch
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # plain python, or torch's opt-out
         rank, world_size, device = init_distributed(backend, timeout=timeout)
-        return rank, world_size, device, "a fresh store for this round"
+        return rank, world_size, device, "a fresh store for this round", dist.distributed_c10d._get_default_store()
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
                           is_master=False, timeout=timeout)  # the agent hosts it
     prefix = f"attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}_world_{world_size}"
     rank, world_size, device = init_distributed(backend, store=dist.PrefixStore(prefix, store), rank=rank,
                                                 world_size=world_size, timeout=timeout)
-    return rank, world_size, device, f"the agent's shared store, keys prefixed {prefix}"
+    return rank, world_size, device, f"the agent's shared store, keys prefixed {prefix}", store
 
 
 def main() -> None:
     args = parse_args()
+    signal.signal(signal.SIGTERM, _on_sigterm)
     # The timeout bounds every collective: a silent peer becomes an error, not an endless hang.
-    rank, world_size, device, store = join_group(timedelta(seconds=args.timeout), args.backend)
+    rank, world_size, device, store, group_store = join_group(timedelta(seconds=args.timeout), args.backend)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    earlier = None  # did a key that rank 0 of the previous attempt left in its store survive into this one?
+    if rank == 0:
+        earlier = group_store.check([f"left_by_attempt_{attempt - 1}"]) if attempt > 0 else None
+        group_store.set(f"left_by_attempt_{attempt}", "1")
     if args.global_batch is not None and args.global_batch % world_size:
         raise ValueError(f"--global-batch {args.global_batch} does not split over {world_size} ranks")
     per_rank_batch = args.global_batch // world_size if args.global_batch else args.per_rank_batch
@@ -146,7 +181,8 @@ def main() -> None:
         step = state["step"]
     if rank == 0:
         print(f"attempt {attempt}: world size {world_size}, starting at step {step}")
-        print(f"store of attempt {attempt}: {store}")
+        print(f"store of attempt {attempt}: {store}" + ("" if earlier is None else
+              f"; the key attempt {attempt - 1} left there: {'still there' if earlier else 'gone'}"))
 
     while step < args.steps:
         epoch, skip = divmod(step, len(loader))
@@ -164,14 +200,20 @@ def main() -> None:
             step += 1
             report(step=step, loss=loss.item(), world_size=world_size)
             progress(step, total=args.steps)
-            if args.checkpoint and step % args.checkpoint_every == 0:
+            stopping = stop_agreed(device)
+            if args.checkpoint and (step % args.checkpoint_every == 0 or stopping):
                 save(args, model, optimizer, step, rank, world_size)
+            if stopping:
+                if rank == 0:
+                    print(f"step {step}: stopping on SIGTERM, after saving this step")
+                dist.destroy_process_group()
+                return
             if step == args.steps:
                 break
 
     parameters = torch.cat([p.detach().flatten() for p in model.module.parameters()]).cpu()
     result(parameters=parameters, steps=step, attempt=attempt, world_size=world_size, backend=dist.get_backend(),
-           agent_store=os.environ.get("TORCHELASTIC_USE_AGENT_STORE"))
+           agent_store=os.environ.get("TORCHELASTIC_USE_AGENT_STORE"), earlier_attempts_key=earlier)
     dist.destroy_process_group()
 
 

@@ -16,6 +16,7 @@ the loads are compared with. load: builds the model under --layout (fsdp over al
 optimizer value's full_tensor() with full_state.pt bit for bit, and resumes training from the saved step.
 """
 import argparse
+import logging
 import os
 import time
 import warnings
@@ -32,6 +33,8 @@ from helpers.kit.distributed import init_distributed
 from helpers.kit.reporting import progress, report, result
 
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # the root returns a view; we never write into it
+# full_tensor() of a _StridedShard value (fsdp_tp) logs "2 sequential all_gather operations": time, not correctness.
+logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
 def build(layout: str, world_size: int, device: torch.device) -> tuple[torch.nn.Module, int, int]:

@@ -11,9 +11,11 @@ initialisation in step 0) runs under torch's CommDebugMode and under Collectives
 reads each collective's process group and names its mesh dimension; forward, backward and the optimizer
 step are counted apart. Each layout reports, per step, its global mean loss (all-reduced: the same on every
 rank by construction) and this rank's own loss on its rows before that all-reduce, the rows it took at step 0,
-and the local shape of the residual stream leaving block 0. Needs 4 ranks (a 2 x 2 mesh).
+the local shape of the residual stream leaving block 0, and which rows and columns of two weights it holds.
+Needs 4 ranks (a 2 x 2 mesh).
 """
 import argparse
+import logging
 import warnings
 from collections import Counter
 
@@ -30,6 +32,10 @@ from helpers.kit.distributed import init_distributed
 from helpers.kit.reporting import progress, result
 
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # the root returns a view; we never write into it
+# full_tensor() of a _StridedShard parameter (TP split its rows, then FSDP split them again) logs "2 sequential
+# all_gather operations will be performed": it costs time, not correctness (lesson 10 says why, in a fold).
+logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+SHOWN = ("layers.0.attention.wq.weight", "layers.0.attention.wo.weight")  # the lesson draws who holds what of them
 
 # What each collective moves, counted as lesson 07 counts: the full (unsharded) tensor. The argument index
 # is the output of an all-gather, the input of a reduce-scatter, the tensor of an all-reduce.
@@ -84,6 +90,15 @@ def build(layout: str, device: torch.device) -> tuple[torch.nn.Module, DeviceMes
     return model, mesh, mesh["dp"].get_local_rank(), 2
 
 
+def held_rows_and_columns(parameter: DTensor) -> dict[str, list[int]]:
+    """Which rows and columns of the whole weight this rank holds: each local value looked up in the whole
+    (random weights: every value occurs once). A collective (full_tensor): every rank calls it in the same order."""
+    whole = parameter.full_tensor()
+    where = {value: divmod(index, whole.shape[1]) for index, value in enumerate(whole.flatten().tolist())}
+    cells = [where[value] for value in parameter.to_local().flatten().tolist()]
+    return {"rows": sorted({row for row, _ in cells}), "columns": sorted({column for _, column in cells})}
+
+
 def counted_step(model, optimizer, mesh, inputs, targets) -> tuple[torch.Tensor, dict]:
     """One training step with forward, backward and optimizer step counted apart; returns (loss, counts)."""
     counts = {}
@@ -127,8 +142,11 @@ def main() -> None:
         raise SystemExit(f"this worker lays the model out on a 2 x 2 mesh: start it with 4 processes, "
                          f"not {world_size}")
     out = {}
+    progress(0, len(args.layouts) * args.steps)
     for number, layout in enumerate(args.layouts):
         model, mesh, dp_index, dp_size = build(layout, device)
+        parameters = dict(model.named_parameters())
+        held = {name: held_rows_and_columns(parameters[name]) for name in SHOWN}
         optimizer = transformer.make_optimizer(model)
         losses, local_losses, counts, stream = [], [], None, {}
         # The residual stream leaving block 0, as this rank holds it: sequence parallelism halves it along the sequence.
@@ -155,7 +173,7 @@ def main() -> None:
         placements = {name: repr(tuple(p.placements)) for name, p in model.named_parameters()}
         out[layout] = {"losses": losses, "local_losses": local_losses, "dp_index": dp_index, "rows_step0": rows_step0,
                        "stream_shape": stream["shape"], "grad_gap": grad_gap, "grad_max": grad_max, "counts": counts,
-                       "local_shapes": local, "placements": placements,
+                       "local_shapes": local, "placements": placements, "held": held,
                        "groups": {name: dist.get_process_group_ranks(mesh.get_group(name))
                                   for name in mesh.mesh_dim_names}}
     result(**out)

@@ -20,7 +20,7 @@ from helpers.kit.reporting import result
 
 
 def main() -> None:
-    rank, world_size, device = init_distributed()
+    _, world_size, device = init_distributed()
     if world_size != 4:
         raise SystemExit(f"this worker builds a 2 x 2 mesh: start it with 4 processes, not {world_size}")
     mesh = init_device_mesh(device.type, (2, 2), mesh_dim_names=("dp", "tp"))
@@ -31,8 +31,10 @@ def main() -> None:
     for placements in ([Shard(0), Replicate()], [Shard(0), Shard(1)], [Replicate(), Shard(0)]):
         laid_out = distribute_tensor(whole, mesh, placements)
         pieces[repr(tuple(placements))] = {"local": laid_out.to_local(), "full": laid_out.full_tensor()}
-    # Partial: each rank holds a term of a sum; nothing is added until someone asks for the whole.
-    term = torch.full((2,), float(rank), device=device)
+    # Partial along tp: each rank holds a term of a sum; nothing is added until someone asks for the whole.
+    # Replicate along dp promises that the two ranks of a dp group hold the same term: so the term depends on the
+    # tp coordinate only (1 and 2; the whole is 3 on every rank). from_local does not check that promise by default.
+    term = torch.full((2,), float(mesh.get_local_rank("tp") + 1), device=device)
     partial = DTensor.from_local(term, mesh, [Replicate(), Partial()])
     pieces[repr((Replicate(), Partial()))] = {"local": partial.to_local(), "full": partial.full_tensor()}
 

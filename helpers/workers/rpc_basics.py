@@ -3,8 +3,9 @@
     torchrun --standalone --nproc-per-node 2 helpers/workers/rpc_basics.py
 
 Rank 0 ("worker0") drives; rank 1 ("worker1") only serves: its main thread goes straight to
-rpc.shutdown(), which waits until every peer is done with it. Runs on CPU (TensorPipe); with one
-process worker0 calls itself, which RPC allows.
+rpc.shutdown(), which waits until every peer is done with it. Runs on CPU (TensorPipe). Needs two
+processes: on its owner `to_here()` returns the object itself, not a copy, so with one process (worker0
+calling itself) the copy below would be the owner's tensor.
 """
 import gc
 import os
@@ -33,6 +34,11 @@ def double_in_place(rref: rpc.RRef) -> None:
     rref.local_value().mul_(2)
 
 
+def to_here_is_local_value(rref: rpc.RRef) -> bool:
+    """Runs on the owner: there to_here() hands back the object itself, not a copy."""
+    return rref.to_here() is rref.local_value()
+
+
 def owner_rrefs() -> int:
     """Runs on the owner: how many objects its RRef context keeps alive for remote users."""
     return int(_rref_context_get_debug_info()["num_owner_rrefs"])
@@ -59,6 +65,7 @@ def drive(callee: str) -> dict:
     facts["owner"], facts["is_owner"] = rref.owner().name, rref.is_owner()
     copy = rref.to_here()  # a copy travels back
     copy.add_(100)  # changes the copy only
+    facts["to_here_on_owner_is_the_object"] = rpc.rpc_sync(callee, to_here_is_local_value, args=(rref,))
     rpc.rpc_sync(rref.owner(), double_in_place, args=(rref,))
     facts["after_double"] = rref.to_here().tolist()
     facts["remote_sum"] = rref.rpc_sync().sum().item()  # a method run by the owner: no copy of the tensor
@@ -74,11 +81,13 @@ def drive(callee: str) -> dict:
 
 def main() -> None:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world_size != 2:
+        raise SystemExit(f"rpc_basics.py needs exactly 2 processes (--nproc-per-node 2), got {world_size}")
     warnings.filterwarnings("ignore", message="You are using a Backend")  # torch-internal deprecation
     # Names are the addresses; MASTER_ADDR and MASTER_PORT (set by torchrun) are where peers meet.
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size)
     if rank == 0:
-        facts = drive(callee=f"worker{1 % world_size}")
+        facts = drive(callee="worker1")
         for key, value in facts.items():
             print(f"{key}: {value}")
         result(**facts)

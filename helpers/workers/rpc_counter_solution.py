@@ -5,7 +5,8 @@
 worker0 creates the Counter on worker1 with rpc.remote, sends ten increments at once with
 rpc_async through the RRef's proxy, waits for them, and reads the total with a remote method call.
 worker1's RPC threads run the ten add() calls at the same time, so the read-modify-write in add()
-needs a lock. With one process the counter lives on worker0 itself.
+needs a lock; the lock covers the read and the write only, not the slow work before them, or the
+calls would run one after another again. With one process the counter lives on worker0 itself.
 """
 import os
 import threading
@@ -20,6 +21,7 @@ from helpers.kit.reporting import result
 class Counter:
     def __init__(self) -> None:
         self.count = 0
+        self.home = rpc.get_worker_info().name  # the worker this object was created on
         self.lock = threading.Lock()  # add() calls arrive on several RPC threads at once
 
     def add(self, amount: int) -> int:
@@ -33,6 +35,9 @@ class Counter:
     def value(self) -> int:
         return self.count
 
+    def where(self) -> str:
+        return self.home
+
 
 def main() -> None:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -44,7 +49,7 @@ def main() -> None:
         futures = [counter.rpc_async().add(1) for _ in range(10)]  # all ten in flight at once
         partial_counts = [future.wait() for future in futures]  # what each add() returned
         seconds = time.perf_counter() - started
-        result(count=counter.rpc_sync().value(), owner=counter.owner().name,
+        result(count=counter.rpc_sync().value(), owner=counter.rpc_sync().where(),
                partial_counts=sorted(partial_counts), seconds=seconds)
     rpc.shutdown()
 

@@ -11,6 +11,7 @@ DistributedOptimizer.step (the server applies them). Trainers never wait for eac
 are asynchronous. With one process the server trains alone.
 """
 import argparse
+import logging
 import os
 import threading
 import time
@@ -107,6 +108,21 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
     result(steps=args.steps, seconds=time.perf_counter() - started)
 
 
+def shutdown_with_timeout(seconds: float) -> None:
+    """rpc.shutdown(timeout=seconds), and say how it ended. The error is caught so that every rank gets to report
+    its own; left uncaught it would end the process, and torchrun's agent would stop the job at the first one."""
+    logging.getLogger("torch.distributed.rpc.api").setLevel(logging.CRITICAL)  # the error is printed below instead
+    started = time.perf_counter()
+    try:
+        rpc.shutdown(timeout=seconds)
+        outcome = "returned"
+    except Exception as error:  # which error it is, is what this run shows
+        outcome = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+    waited = time.perf_counter() - started
+    print(f"rpc.shutdown(timeout={seconds:g}) ended after {waited:.1f} s: {outcome}")
+    result(shutdown_outcome=outcome, shutdown_seconds=waited)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40, help="steps each trainer takes, in total")
@@ -117,6 +133,8 @@ def main() -> None:
     parser.add_argument("--vanish-rank", type=int, default=-1, help="this trainer exits silently, code 0")
     parser.add_argument("--crash-step", type=int, default=5, help="...at this step")
     parser.add_argument("--rpc-timeout", type=float, default=60.0, help="seconds a single RPC may take")
+    parser.add_argument("--shutdown-timeout", type=float, default=0.0,
+                        help="passed to rpc.shutdown(timeout=...); 0 is torch's default: no limit")
     args = parser.parse_args()
     rank, world_size = start_rpc(timeout=args.rpc_timeout)
     report(pid=os.getpid())  # the lesson checks that no process outlives a failed job
@@ -124,6 +142,9 @@ def main() -> None:
     if rank != 0 or world_size == 1:
         train(rank, world_size, args)
     report(in_shutdown=True)  # the time stamp says when this rank began waiting in rpc.shutdown()
+    if args.shutdown_timeout:
+        shutdown_with_timeout(args.shutdown_timeout)
+        return
     rpc.shutdown()  # the server waits here until every trainer has finished
     if rank == 0:
         result(test_accuracy=accuracy(get_server().model), warnings=warnings_seen(),

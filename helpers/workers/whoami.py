@@ -1,4 +1,4 @@
-"""Who does torchrun say this process is? Then one all_reduce that crosses every node.
+"""Who does torchrun say this process is? Then one all_reduce across every node (CPU: gloo; GPUs: nccl).
 
     torchrun --standalone --nproc-per-node 2 helpers/workers/whoami.py
     # two "nodes" on one machine (run both commands, in two terminals):
@@ -7,8 +7,6 @@
     # on two machines, with HEAD = the first machine's address, run on each:
     torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint HEAD:29500 --rdzv-id job1 \
         helpers/workers/whoami.py
-
-Works with any number of nodes and processes, on CPU (gloo) or GPUs (nccl).
 """
 import os
 
@@ -23,21 +21,17 @@ NAMES = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "
 def main() -> None:
     me = {name: os.environ[name] for name in NAMES}
     print(" ".join(f"{name}={value}" for name, value in me.items() if name != "MASTER_PORT"))
-    if torch.cuda.is_available():  # one GPU per process: LOCAL_RANK picks it
-        device = torch.device("cuda", int(me["LOCAL_RANK"]))
+    use_gpu = torch.cuda.is_available()  # one GPU per process: LOCAL_RANK picks it
+    device = torch.device("cuda", int(me["LOCAL_RANK"])) if use_gpu else torch.device("cpu")
+    if use_gpu:
         torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
-    # With no init_method and no store, init_process_group uses "env://": it reads MASTER_ADDR, MASTER_PORT,
-    # RANK and WORLD_SIZE from the environment torchrun set, and blocks until all WORLD_SIZE processes joined.
-    dist.init_process_group(backend)
+    # "env://" (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE); gloo waits here for all, nccl at the first collective
+    dist.init_process_group("nccl" if use_gpu else "gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     total = torch.tensor([float(rank)], device=device)
     dist.all_reduce(total)  # crosses the node boundary: every rank adds 0 + 1 + ... + world_size - 1
-    result(**me, HELPERS_NODE=os.environ.get("HELPERS_NODE", me["GROUP_RANK"]),
-           node_rank=int(me["GROUP_RANK"]), local_rank=int(me["LOCAL_RANK"]), rank=rank, world_size=world_size,
-           nodes=int(os.environ["GROUP_WORLD_SIZE"]), rank_sum=total.item())
+    result(**me, node_rank=int(me["GROUP_RANK"]), local_rank=int(me["LOCAL_RANK"]), rank=rank,
+           world_size=world_size, nodes=int(os.environ["GROUP_WORLD_SIZE"]), rank_sum=total.item())
     dist.destroy_process_group()  # leave the group: frees its connections before the process exits
 
 

@@ -20,10 +20,10 @@ def test_a_python_error_names_the_rank_the_line_the_error_and_the_folder():
 def test_a_cpp_abort_says_what_it_means():
     error = WorkerFailed("...", rank=0, exitcode=-6, run=RUN, where="my_zero.py:40 (in step)",
                          error="enforce fail at pair.cc:464] op.preamble.length <= op.nbytes. 36 vs 35",
-                         meaning="the ranks passed tensors of different sizes to the same collective")
+                         meaning="the ranks disagree on the size of a message in this collective")
     text = explain_crash(error)
     assert "rank 0 at my_zero.py:40 (in step) (exit code -6: killed by a signal, so no Python traceback)" in text
-    assert "What it means: the ranks passed tensors of different sizes" in text
+    assert "What it means: the ranks disagree on the size of a message" in text
 
 
 def test_a_hang_lists_where_each_rank_waited(capsys):

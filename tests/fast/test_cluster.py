@@ -2,10 +2,11 @@
 
 That two agents make one job of four ranks (rank = 2 x node rank + local rank, an all_reduce across them) is
 asserted by lesson 06 on its own two-node run (notebooks/06_fault_tolerance_and_scaling_out.ipynb, nbval's
-Cell 25); a real Slurm runs the batch script in tests/test_slurm.py."""
+Cell 27); a real Slurm runs the batch script in tests/test_slurm.py."""
 from __future__ import annotations
 
 import copy
+import shlex
 
 import pytest
 
@@ -24,6 +25,7 @@ from helpers.lessons.cluster import (
     indexed_job,
     pod_without_shared_memory,
     pytorch_job,
+    slurm_node_arguments,
     slurm_script,
     train_job,
     validate,
@@ -43,7 +45,15 @@ def test_slurm_script_passes_bash_and_torchrun_parsers():
     assert "--nnodes=3" in arguments and "--nproc-per-node=2" in arguments
     assert arguments[-3:] == ["train.py", "--checkpoint", "/shared/c.pt"]
     assert "#SBATCH --nodes=3" in text and "#SBATCH --ntasks-per-node=1" in text
-    assert "srun --cpus-per-task=$SLURM_CPUS_PER_TASK torchrun " in text  # Slurm >= 22.05 does not inherit it
+    assert "srun --cpus-per-task=$SLURM_CPUS_PER_TASK bash -c 'exec torchrun " in text  # Slurm >= 22.05: not inherited
+    # the job's own rendezvous port, and node 0 alone told to host the store (a guess can join a stranger's store)
+    assert "RDZV_PORT=$((20000 + SLURM_JOB_ID % 20000))" in text and "--rdzv-endpoint=head-node:20007" in arguments
+    srun = next(line for line in text.splitlines() if line.startswith("srun "))
+    node_line = shlex.split(srun)[-1]
+    assert "--rdzv-conf=is_host=1" in slurm_node_arguments(node_line, 0)
+    assert "--rdzv-conf=is_host=0" in slurm_node_arguments(node_line, 1)
+    # a polite stop before the time limit, and a requeue after a preemption or a node failure
+    assert "#SBATCH --signal=TERM@120" in text and "#SBATCH --requeue" in text
 
 
 @pytest.mark.parametrize("change, words", [
@@ -53,6 +63,7 @@ def test_slurm_script_passes_bash_and_torchrun_parsers():
     (("srun --cpus-per-task=$SLURM_CPUS_PER_TASK ", "srun "), "does not pass --cpus-per-task"),
     (("OMP_NUM_THREADS=4", "OMP_NUM_THREADS=8"), "oversubscribe"),
     (("--nproc-per-node=2", "--nproc-per-node=4"), "gpus-per-node=2"),
+    ((' --rdzv-conf=is_host=$([ "$SLURM_NODEID" = 0 ] && echo 1 || echo 0)', ""), "not told whether they host"),
 ])
 def test_slurm_check_catches_mistakes(change, words):
     text = slurm_script("train.py", SHARED).replace(*change)
@@ -68,7 +79,10 @@ def test_indexed_job_and_service_match_the_schema_with_hami_requests():
     assert job.spec.completions == job.spec.parallelism == 3 and job.spec.completion_mode == "Indexed"
     assert pod.scheduler_name == HAMI_SCHEDULER and pod.subdomain == "ddp"
     limits = pod.containers[0].resources.limits
-    assert limits == {"nvidia.com/gpu": "2", "nvidia.com/gpumem": "4000", "nvidia.com/gpucores": "25", "cpu": "8"}
+    assert limits == {"nvidia.com/gpu": "2", "nvidia.com/gpumem": "4000", "nvidia.com/gpucores": "25", "cpu": "8",
+                      "memory": "32Gi"}
+    assert pod.containers[0].resources.requests == {"cpu": "8", "memory": "32Gi"}  # memory counted by the scheduler
+    assert next(v for v in pod.volumes if v.empty_dir).empty_dir.size_limit == "8Gi"  # /dev/shm bounded
     # pod 0 hosts the c10d store because it is told so (is_host from JOB_COMPLETION_INDEX), not by a DNS guess
     hosts = {index: check_indexed_command(pod.containers[0].command, index) for index in range(3)}
     assert {index: parsed.rdzv_conf for index, parsed in hosts.items()} == {0: "is_host=1", 1: "is_host=0",
@@ -81,7 +95,7 @@ def test_indexed_job_and_service_match_the_schema_with_hami_requests():
 def test_whole_gpus_use_the_default_scheduler():
     job = indexed_job("ddp", IMAGE, "train.py", JobSize(nodes=2, gpus_per_node=1))["job"]
     pod = validate(job, "V1Job").spec.template.spec
-    assert pod.scheduler_name is None and set(pod.containers[0].resources.limits) == {"nvidia.com/gpu", "cpu"}
+    assert pod.scheduler_name is None and set(pod.containers[0].resources.limits) == {"nvidia.com/gpu", "cpu", "memory"}
 
 
 def test_pytorch_job_has_master_and_workers_with_valid_pod_templates():

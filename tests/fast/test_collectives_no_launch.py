@@ -7,12 +7,11 @@ from helpers.lessons.collectives import (
     bus_factor,
     check_all_gather,
     fit_latency_bandwidth,
-    fit_ratios,
     format_bytes,
-    half_peak_sizes,
     owner,
     predict_allreduce_seconds,
 )
+from helpers.lessons.listing import excerpt
 
 
 def test_fit_recovers_latency_and_bandwidth():
@@ -38,17 +37,6 @@ def test_bus_bandwidth_and_small_helpers():
     assert row["algbw GB/s"] == pytest.approx(1.0) and row["busbw GB/s"] == pytest.approx(1.5)
     assert [format_bytes(s) for s in (512, 1024, 64 * 2**20)] == ["512 B", "1 KB", "64 MB"]
     assert owner(23, world_size=4, length=4) == 2 and owner(64, world_size=4, length=4) is None
-
-
-def test_half_peak_is_read_from_the_measurements():
-    sizes = [1024 * 4**i for i in range(5)]
-    seconds = [1e-3, 1e-3, 1e-3, 2e-3, 8e-3]  # algbw 1, 4, 16, 32, 32 MB/s: half of the highest is 16
-    assert half_peak_sizes(sizes, seconds) == (4096, 16384)
-    assert half_peak_sizes([1024, 4096], [1e-3, 4e-3]) == (None, 1024)  # flat: the first size already has it
-
-
-def test_fit_ratios_are_measured_over_fit():
-    assert fit_ratios([1000, 2000], [2e-3, 1e-3], latency=0.0, bandwidth=1e6) == pytest.approx([2.0, 0.5])
 
 
 @pytest.mark.parametrize("name", [
@@ -97,3 +85,10 @@ def test_exercise_check_refuses_a_stub_that_calls_all_gather(tmp_path, capsys):
     cheat.write_text("import torch.distributed as dist\ndist.all_gather([], None)\n")
     assert not check_all_gather(cheat)
     assert "without calling dist.all_gather" in capsys.readouterr().out
+
+
+def test_excerpt_shows_the_marked_lines_and_names_them(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text("import torch\n\n\ndef f():\n    a = 1\n    return a\n")
+    shown = excerpt(script, "def f", "return a").data
+    assert shown == "# worker.py, lines 4-6\ndef f():\n    a = 1\n    return a"

@@ -1,4 +1,5 @@
-"""Lesson 02's helpers without a launch: the shipped digits, the article's fixes, the step-time explanation."""
+"""Lesson 02's helpers without a launch: the shipped digits, the article's fixes, the step-time verdicts, torchrun's
+failure report made the same on every machine."""
 
 
 from helpers.kit.data import DIGITS_NAME, load
@@ -20,31 +21,76 @@ def test_article_with_every_fix_leaves_no_undefined_name():
     assert undefined_names(article_source(["imports", "port", "gloo", "data", "cpu"])) == []
 
 
-def test_step_time_explanation_says_why_a_share_is_over_100_percent(capsys):
-    """Section 8's printed share (DDP - no all-reduce) / (DDP - 1 rank at batch 32) exceeds 100% when the control
-    without all-reduce ran faster than 1 rank at batch 32: the line must say so, and whether the blocks' spread
-    covers it."""
-    from helpers.lessons.ddp import STEP_SETTINGS, explain_step_times
+def test_step_time_reading_prints_the_protocols_verdicts(capsys):
+    """Section 7 reads ddp_step_time.py's timings through verdict(): "faster" only where every round of one setting
+    beat every round of the other, "not distinguishable on this machine" otherwise, wall and CPU time apart."""
+    from helpers.kit.timing import NOT_DISTINGUISHABLE, Timing
+    from helpers.lessons.ddp import read_step_times, step_settings
 
-    parameters = {"simple": 8070, "cnn": 20490}
+    def rounds(centre: float, spread: float) -> list[float]:
+        return [(centre + spread * k) / 1e3 for k in (-2, -1, 0, 1, 2)]
 
-    def medians(quiet_ms: float, spread: float, parameters: dict) -> tuple:
-        step_ms, blocks = {}, {}
-        values = {"one": 10.0, "half": 5.5, "quiet": quiet_ms, "ddp": 7.0, "two_threads": 8.0}
-        for model in parameters:
-            for key, value in values.items():
-                step_ms[f"{model}, {STEP_SETTINGS[key]}"] = value
-                blocks[f"{model}, {STEP_SETTINGS[key]}"] = [(value - spread / 2) / 1e3, value / 1e3,
-                                                            (value + spread / 2) / 1e3]
-            step_ms[f"{model}, all_reduce alone, {parameters[model]} floats"] = 0.3
-            blocks[f"{model}, all_reduce alone, {parameters[model]} floats"] = [0.3e-3] * 3
-        return step_ms, parameters, blocks
-
-    speedup = explain_step_times(*medians(5.4, 0.5, parameters))
+    timings = {}
+    for model in ("simple", "cnn"):
+        names = step_settings(model)
+        ddp_spread = 0.1 if model == "simple" else 3.0  # the CNN's DDP rounds overlap the one-process rounds
+        for role, centre, spread in (("one", 10.0, 0.1), ("two_threads", 10.0, 0.1), ("half", 5.0, 0.1),
+                                     ("quiet", 6.0, 0.1), ("ddp", 14.0, ddp_spread), ("bare", 1.0, 0.1)):
+            wall = rounds(centre, spread)
+            cpu = rounds(2 * centre if role in ("ddp", "quiet", "bare") else centre, 0.1)  # two ranks' CPU add up
+            timings[names[role]] = Timing(names[role], wall, cpu)
+    verdicts = read_step_times(timings, {"simple": 8070, "cnn": 20490})
     out = capsys.readouterr().out
-    assert "removes 107%" in out and "cannot tell them apart" in out and speedup["cnn\n2 ranks"] == 10.0 / 7.0
-    explain_step_times(*medians(4.0, 0.1, parameters))
-    out = capsys.readouterr().out
-    assert "removes 200%" in out and "not noise between blocks alone" in out
-    explain_step_times(*medians(6.0, 0.1, parameters))
-    assert "over 100%" not in capsys.readouterr().out
+    assert verdicts["simple"]["ddp"].faster == "simple, 1 rank, 1 thread" and not verdicts["cnn"]["ddp"].distinguishable
+    assert "DDP on 2 ranks against 1 rank, 1 thread (wall): 1 rank, 1 thread is faster, 1.40x" in out
+    assert f"DDP on 2 ranks against 1 rank, 1 thread (wall): {NOT_DISTINGUISHABLE}" in out
+    assert not verdicts["simple"]["threads"].distinguishable and verdicts["simple"]["all-reduce cpu"].distinguishable
+    assert "  DDP, 2 ranks" in out and "wall 14.0 ms (13.8-14.2)" in out
+
+
+def test_failure_report_keeps_what_a_learner_reads_and_drops_what_changes():
+    """failure_report() cuts torchrun's ChildFailedError report out of its output (a rank's own lines, which can
+    arrive after it, left out) and replaces times, hosts, process ids, temporary folders, ports and absolute paths,
+    so that a stored report reads the same on any machine."""
+    from helpers.lessons.ddp import failure_report
+
+    output = """[rank1]: ValueError: boom
+E1206 12:34:07.140000 16342 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 1)
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+/home/ana/course/helpers/workers/ddp_failure_report.py FAILED
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-06_12:34:19
+  host      : node17.cluster
+  rank      : 1 (local_rank: 1)
+  exitcode  : 1 (pid: 16693)
+  error_file: /tmp/torchelastic_8acl8vn6/22eb_s3nqy2pa/attempt_0/1/error.json
+  traceback : Traceback (most recent call last):
+    File "/home/ana/.venv/lib/python3.11/site-packages/torch/distributed/c10d_logger.py", line 83, in wrapper
+  RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by peer \
+[127.0.0.1]:18323. Signal 15 (SIGTERM) received by PID 16406
+============================================================
+[rank1]: ValueError: a late line of rank 1's own output, after the report"""
+    report = failure_report(output)
+    assert report.startswith("torch.distributed.elastic.multiprocessing.errors.ChildFailedError:")
+    assert "helpers/workers/ddp_failure_report.py FAILED" in report.splitlines()[2]
+    for gone in ("ana", "node17", "12:34", "16693", "16406", "torchelastic_8acl8vn6", "18323", "/__w/", "ValueError"):
+        assert gone not in report, gone
+    assert 'File "torch/distributed/c10d_logger.py", line 83' in report and "[third_party/gloo" in report
+    assert "<torchrun's temporary folder>/attempt_0/1/error.json" in report and "rank      : 1" in report
+
+
+def test_coloured_diff_folds_the_hunks_before_the_lines_that_matter():
+    """Section 2's diff shows main()'s changes first and folds the helper functions, under 40 lines in view."""
+    from helpers.kit import WORKERS
+    from helpers.lessons.ddp import coloured_diff
+
+    whole = coloured_diff(WORKERS / "ddp_single.py", WORKERS / "ddp_train.py", context=0).data
+    folded = coloured_diff(WORKERS / "ddp_single.py", WORKERS / "ddp_train.py", context=0,
+                           fold_before="rank, world_size, device = init_distributed()", fold_summary="the rest").data
+    shown, rest = folded.split("<details>")
+    assert whole.count("<div") == folded.count("<div")  # every line of the diff is still there
+    assert "DistributedSampler(train_set" in shown and "DDP(build_model" in shown and "def evaluate" in rest
+    assert shown.count("<div") <= 45 and rest.startswith("<summary>the rest (")

@@ -1,5 +1,5 @@
-"""Lesson 03's rebuild of DataParallel on the CPU (helpers.kit.dp_vs_ddp), the overlap measure and the exercise's check,
-in this process: no launch."""
+"""Lesson 03's rebuild of DataParallel on the CPU (helpers.kit.dp_vs_ddp), when DDP issues its all-reduces, and the
+exercise's check, in this process: no launch."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +9,7 @@ from torch import nn
 from helpers.kit.dp_vs_ddp import NaiveDataParallel, replicate, torch_replicate_on_cpu
 from helpers.kit.models import SimpleModel
 from helpers.kit.tensors import max_abs_diff
-from helpers.lessons.dp_vs_ddp import check_traffic, intersect, merge, overlap, single_device_gradients, subtract
+from helpers.lessons.dp_vs_ddp import check_traffic, intersect, issue_order, merge, single_device_gradients, subtract
 
 
 def _batch(size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,17 +103,17 @@ def test_span_arithmetic() -> None:
     assert subtract([(0, 10)], [(2, 3), (8, 12)]) == [(0, 2), (3, 8)]
 
 
-def test_overlap_counts_only_running_communication_during_compute() -> None:
-    events = [{"kind": "backward", "start_us": 0, "end_us": 10},
-              {"kind": "all-reduce issued", "start_us": 4, "end_us": 5},   # not compute: a hole in the backward
-              {"kind": "all-reduce running", "start_us": 4.5, "end_us": 12}]
-    result = overlap(events)
-    assert result["overlap_us"] == 5 and result["communication_us"] == 7.5
-    assert result["fraction"] == pytest.approx(5 / 7.5)
-    assert result["communication_after_backward_us"] == 2
-    serial = overlap([{"kind": "backward", "start_us": 0, "end_us": 10},
-                      {"kind": "all-reduce running", "start_us": 10, "end_us": 14}])
-    assert serial["fraction"] == 0
+def test_issue_order_counts_the_backward_ops_left_after_the_first_issue() -> None:
+    events = [{"kind": "backward", "start_us": t, "end_us": t + 1} for t in (0, 2, 4, 6)]
+    events += [{"kind": "all-reduce issued", "start_us": 3, "end_us": 3.5},   # after 2 of the 4 ops started
+               {"kind": "all-reduce running", "start_us": 3.5, "end_us": 9},
+               {"kind": "all-reduce issued", "start_us": 7.5, "end_us": 8}]   # after the last op started
+    order = issue_order(events)
+    counts = (order["ops"], order["ops_after_first_issue"], order["issued"], order["issued_before_last_op"])
+    assert counts == (4, 2, 2, 1)
+    assert order["share_after_first_issue"] == 0.5
+    last_only = issue_order([e for e in events if e["start_us"] != 3])
+    assert last_only["ops_after_first_issue"] == 0 and last_only["issued_before_last_op"] == 0
 
 
 def test_data_parallel_is_a_pass_through_without_gpus() -> None:

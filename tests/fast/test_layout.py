@@ -56,13 +56,15 @@ def test_the_contracts_catch_a_wrong_import(tmp_path, path, line, contract):
 
 
 def _notebook_imports(path: Path) -> set[str]:
-    """Every helpers module a notebook's code cells import (magics and shell lines skipped)."""
+    """Every helpers module a notebook's code cells import in the kernel. IPython's own transformer turns the cells
+    into Python (`x = %ranks get ...` becomes a call, a %%ranks cell's body a string: it runs on the ranks)."""
+    from IPython.core.inputtransformer2 import TransformerManager
+
     found = set()
     for cell in json.loads(path.read_text())["cells"]:
         if cell["cell_type"] != "code":
             continue
-        source = "\n".join(line for line in "".join(cell["source"]).splitlines()
-                           if not line.lstrip().startswith(("%", "!")))
+        source = TransformerManager().transform_cell("".join(cell["source"]))
         for node in ast.walk(ast.parse(source)):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("helpers"):
                 found.update(f"{node.module}.{alias.name}" for alias in node.names)

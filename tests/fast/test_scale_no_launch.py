@@ -1,15 +1,22 @@
 """Lesson 11 in one process: the private torch tools it simulates with (pinned), its byte and collective counts, the
-exercise, the planner."""
+exercise (wrong answers a learner would write, each told its mistake and never torch's counts; right answers written
+otherwise pass), the planner (its data-parallel bytes against FSDP2's own collectives), the optimizer all-reduces' fix,
+and the step-time analysis on made-up rounds."""
+
+import re
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from helpers.kit.timing import NOT_DISTINGUISHABLE, Timing
 from helpers.lessons.scale import (
     STAGES,
     check_tp_counts_without_sp,
     collective_counts,
+    dp_traffic,
     fsdp_collectives,
+    fsdp_dp_traffic,
     held_by_stage,
     held_replicated,
     order_probe_twin,
@@ -17,17 +24,15 @@ from helpers.lessons.scale import (
     planner_figure,
     predict_step_seconds,
     simulated_world,
+    step_time_analysis,
     total,
     tp_collectives,
+    tp_step_counts,
     wrapper_twin_errors,
     zero_redundancy_held,
 )
 
 TORCH_CHANGED = "torch changed a private API lesson 11 relies on (checked against torch 2.14.1): "
-
-
-def solution(blocks):
-    return {"all_reduce": 6 * blocks + 2, "all_gather": 1}
 
 
 def test_pin_fake_backend_hands_out_a_world_and_moves_no_data():
@@ -127,23 +132,50 @@ def test_simulated_world_refuses_to_nest():
     assert not dist.is_initialized()
 
 
+def solution(blocks):
+    return {"forward": {"all_reduce": 2 * blocks + 1, "all_gather": 1}, "backward": {"all_reduce": 4 * blocks + 1}}
+
+
 @pytest.mark.parametrize("wrong, message", [
-    (lambda blocks: {"all_reduce": 0, "all_gather": 0}, "your formula says {'all_reduce': 0, 'all_gather': 0}"),
-    (lambda blocks: {"all_reduce": 2 * blocks + 1, "all_gather": 1}, "torch ran"),   # forward only
-    (lambda blocks: {"all_reduce": 4 * blocks + 2, "all_gather": 1}, "torch ran"),   # one backward per Colwise pair
-    (lambda blocks: {"all_reduce": 6 * blocks + 2}, "torch ran"),                    # the logits' all-gather forgotten
-    (lambda blocks: tp_collectives(blocks), "torch ran"),                            # the sequence-parallel counts
-    (lambda blocks: {"all_reduce": 6 * blocks + 2, "all_gather": 1} if blocks < 3 else {}, "with 3 block(s)"),
-    (lambda blocks: 1 / 0, "raised ZeroDivisionError"),
+    (lambda b: {"forward": {"all_reduce": 0, "all_gather": 0}, "backward": {"all_reduce": 0}},  # the starting code
+     "your forward has no all_gather"),
+    (lambda b: {"forward": solution(b)["forward"], "backward": {}}, "your backward has no all_reduce"),  # forward only
+    # wq, wk and wv counted as one backward all-reduce
+    (lambda b: {"forward": solution(b)["forward"], "backward": {"all_reduce": 2 * b + 1}},
+     "per block, your backward count of all_reduce is too low"),
+    (lambda b: {"forward": {"all_reduce": 2 * b + 1}, "backward": solution(b)["backward"]},  # the logits' gather
+     "your forward has no all_gather"),
+    (lambda b: {"forward": {"all_reduce": 2 * b, "all_gather": 1}, "backward": solution(b)["backward"]},  # embedding
+     "part outside the blocks is too low"),
+    (lambda b: {"forward": solution(b)["forward"], "backward": {"all_reduce": 4 * b}},  # the output layer's backward
+     "part outside the blocks is too low"),
+    (lambda b: {"forward": {"all_reduce": 6 * b + 2, "all_gather": 1}, "backward": {}},  # the whole step as forward
+     "per block, your forward count of all_reduce is too high"),
+    (lambda b: {"forward": {"all_gather": 2 * b + 2, "reduce_scatter": 2 * b + 1},  # the sequence-parallel counts
+                "backward": {"all_gather": 2 * b + 1, "reduce_scatter": 2 * b + 1, "all_reduce": 2 * b + 1}},
+     "per block, your forward count of all_gather is too high"),
+    (lambda b: solution(b) if b < 3 else {"forward": {"all_reduce": 9, "all_gather": 1},  # not linear in the blocks
+                                           "backward": solution(b)["backward"]},
+     "does not grow by the same amount"),
+    (lambda b: {"all_reduce": 6 * b + 2, "all_gather": 1}, "should return {'forward'"),  # no phases
+    (lambda b: 1 / 0, "raised ZeroDivisionError"),
 ])
-
-
-def test_exercise_check_accepts_the_solution_and_rejects_wrong_counts(wrong, message, capsys):
-    assert check_tp_counts_without_sp(solution)
-    assert capsys.readouterr().out.startswith("Correct: ")
+def test_tp_exercise_names_the_mistake_not_torchs_counts(wrong, message, capsys):
     assert not check_tp_counts_without_sp(wrong)
-    out = capsys.readouterr().out
+    out = capsys.readouterr().out.splitlines()[-1]
     assert out.startswith("Not yet: ") and message in out, out
+    assert not re.search(r"'\w+': \d", out) or "should return" in out, out  # no count of torch's in the message
+
+
+@pytest.mark.parametrize("right", [
+    solution,
+    # right but written otherwise: zero counts listed, float counts, other key order
+    lambda b: {"backward": {"all_reduce": 4.0 * b + 1, "reduce_scatter": 0},
+               "forward": {"all_gather": 1, "all_reduce": 2 * b + 1}},
+])
+def test_tp_exercise_passes_right_answers(right, capsys):
+    assert check_tp_counts_without_sp(right)
+    assert capsys.readouterr().out.splitlines()[-1].startswith("Correct: ")
 
 
 def test_counts_do_not_depend_on_the_mesh_size():
@@ -257,3 +289,66 @@ def test_tp_step_counts_split_passes_from_the_optimizer_and_names_refuse_unknown
                                                                                         "all_reduce": 2}
     with pytest.raises(KeyError):
         named_counts({"c10d_functional.all_to_all_single": 1})  # an op the table does not know: a torch change
+
+
+@pytest.mark.parametrize("setting, reduce_bytes", [
+    ({}, 2),
+    ({"microbatches": 3, "reduce_dtype": torch.float32}, 4),
+    ({"microbatches": 3, "reduce_dtype": torch.float32, "reduce_every_microbatch": False}, 4),
+    ({"microbatches": 2, "regather": False}, 2),
+])
+def test_planner_dp_bytes_are_fsdp2s_own(setting, reduce_bytes):
+    measured = fsdp_dp_traffic(world_size=4, layers=2, width=32, **setting)
+    psi = measured["n_params"]
+    m = setting.get("microbatches", 1)
+    gathers = m * (2 if setting.get("regather", True) else 1)
+    reductions = m if setting.get("reduce_every_microbatch", True) else 1
+    # FSDP2 gathers 2 bytes (bf16) per parameter, reduces reduce_dtype's bytes: catches a dtype or a count ignored
+    assert measured["bytes"] == {"all_gather": gathers * 2 * psi, "reduce_scatter": reductions * reduce_bytes * psi}
+    planned = plan(psi, 4, microbatches=m, reduce_bytes=reduce_bytes, regather=setting.get("regather", True),
+                   reduce_every_microbatch=setting.get("reduce_every_microbatch", True))
+    assert planned["traffic"]["dp"] == pytest.approx(3 / 4 * sum(measured["bytes"].values()), rel=1e-12)
+
+
+def test_dp_traffic_keeps_the_one_micro_batch_numbers_and_counts_each_stage():
+    psi, ring = 1e9, 0.5
+    assert dp_traffic(psi, 2, "DP") == ring * 2 * 2 * psi  # an all-reduce of bf16 gradients
+    assert dp_traffic(psi, 2, "ZeRO-1") == dp_traffic(psi, 2, "ZeRO-2") == ring * (2 + 2) * psi
+    assert dp_traffic(psi, 2, "ZeRO-3") == ring * 3 * 2 * psi  # the paper's 1.5x of an all-reduce
+    assert dp_traffic(psi, 2, "ZeRO-3", microbatches=4) == 4 * dp_traffic(psi, 2, "ZeRO-3")
+    assert dp_traffic(psi, 2, "DP", microbatches=4, reduce_every_microbatch=False) == dp_traffic(psi, 2, "DP")
+    assert dp_traffic(psi, 2, "DP", reduce_bytes=4) == 2 * dp_traffic(psi, 2, "DP")
+    counts = plan(7.5e9, 8, microbatches=4, blocks=2)["counts"]["dp"]
+    assert counts == {"all_gather": 4 * 5, "reduce_scatter": 4 * 3}  # per micro-batch, as FSDP2 runs them
+
+
+def test_replicating_partial_gradients_once_removes_the_optimizers_all_reduces():
+    plain, fixed = tp_step_counts(2), tp_step_counts(2, replicate_grads=True)
+    assert plain["optimizer"] == {"all_reduce": 15} and "all_reduce" not in plain["forward+backward"]
+    assert fixed == {"forward+backward": {**plain["forward+backward"], "all_reduce": 5}, "optimizer": {}}
+
+
+def made_up_rounds(step_ms: dict[str, list[float]], sweep_scale: list[float]) -> dict[int, dict]:
+    """One rank's results as scale_step_time.py hands them back, with chosen times (seconds)."""
+    sizes = [4096 * 4**k for k in range(7)]
+    timings = {f"all_reduce {s}": Timing(f"all_reduce {s}", [(2e-4 + s / 1e9) * f] * 5, [1e-4] * 5)
+               for s, f in zip(sizes, sweep_scale, strict=True)}
+    timings |= {"matmul": Timing("matmul", [1e-3] * 5, [1e-3] * 5), "adam full": Timing("adam full", [4e-3] * 5),
+                "adam shard": Timing("adam shard", [2e-3] * 5)}
+    timings |= {f"step {mode}": Timing(f"step {mode}", [t / 1e3 for t in times], [t / 1e3 for t in times])
+                for mode, times in step_ms.items()}
+    return {0: {"timings": {name: t.as_dict() for name, t in timings.items()}, "sizes": sizes, "n_params": 1000,
+                "tensors": 6, "width": 8, "layers": 3, "batch": 4, "world_size": 2}}
+
+
+def test_step_time_analysis_refuses_a_fit_with_large_residuals_and_reads_increments_round_by_round():
+    steps = {"local": [100, 101, 102, 103, 104], "ddp": [110, 111, 112, 113, 114],
+             "fsdp_alone": [100, 140, 102, 103, 104], "fsdp": [120, 121, 122, 123, 124]}
+    on_the_line = step_time_analysis(made_up_rounds(steps, [1.0] * 7))
+    assert on_the_line["fit_used"] and max(abs(r - 1) for r in on_the_line["ratios"]) < 1e-9
+    assert on_the_line["verdicts"]["ddp"].faster == "step local"  # spreads 100-104 and 110-114 do not overlap
+    assert on_the_line["increments"]["ddp"] == pytest.approx({"median": 0.010, "low": 0.010, "high": 0.010})
+    # one slow round of fsdp_alone: the spreads overlap, and the protocol says so
+    assert NOT_DISTINGUISHABLE in on_the_line["verdicts"]["fsdp_alone"].sentence
+    noisy = step_time_analysis(made_up_rounds(steps, [1.0, 1.6, 0.7, 1.0, 1.0, 1.0, 1.0]))
+    assert not noisy["fit_used"]  # residuals of 0.7-1.6: the fit may not predict

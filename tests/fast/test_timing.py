@@ -93,3 +93,9 @@ def test_a_fitted_model_is_trusted_only_where_its_residuals_are_small():
     ratios = residual_ratios([1.0, 2.2, 6.0], [1.0, 2.0, 4.0])
     assert ratios == pytest.approx([1.0, 1.1, 1.5])
     assert fits_within(ratios[:2]) and not fits_within(ratios)
+
+
+def test_a_summary_shows_three_significant_figures_at_any_scale():
+    """A 1 ms median with one 211 ms round must not read '1 ms (0-211)'."""
+    assert Timing("x", [0.0012, 0.001, 0.211, 0.0011, 0.0013]).summary() == "1.20 ms (1.00-211)"
+    assert Timing("y", [12.5, 13.0, 12.0, 12.2, 12.9]).summary(unit=1, suffix="s") == "12.5 s (12.0-13.0)"

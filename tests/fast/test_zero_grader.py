@@ -131,7 +131,7 @@ def test_a_gloo_size_check_says_to_pad():
     text = crash_message(error, "the zero1 check of my_zero1.py")
     assert text.startswith("the zero1 check of my_zero1.py crashed on rank 1 at my_zero1.py:22 (in step): "), text
     assert "What it means: gloo checks that a reduce-scatter's input holds exactly world_size times" in text
-    assert "padded with zeros first (padded_flat)" in text and text.endswith("(rank<N>.log).")
+    assert "padded with zeros first (padded_flat)" in text and text.endswith("runs/RUN/rank<N>.log.")
 
 
 def test_a_hang_says_where_each_rank_waited(monkeypatch, tmp_path, capsys):

@@ -1,0 +1,230 @@
+"""Worker kit for lesson 13 (a faster step): the lesson's model, torch.compile's set-up on a CPU, and instruments.
+
+    from helpers.kit.faster_step import build_model, digits_batches, prepare_compile, require_cxx, GraphCounter
+
+- `build_model(width, depth)`: 784 -> width -> (width -> width) x (depth - 1) -> 10 in `Block`s defined here, not
+  an nn.Sequential: torch.compile compiles a module's forward that lives in your own file, and the lesson counts
+  the graphs it makes per block.
+- `prepare_compile()`: before the first torch.compile in a process: one compile thread (inductor's compile_threads,
+  so a learner's memory stays in budget), the compile caches in a temporary folder of this launch, shared by its
+  ranks (never the repository; removed when the process ends).
+- `require_cxx()`: the C++ compiler inductor needs on a CPU, found by torch's own lookup; without one, `NoCompiler`
+  says so in one sentence, instead of torch's error deep inside the first compiled step.
+- `still_working(what)`: a line at once, then one every few seconds, while a compile runs.
+- `GraphCounter`: a torch.compile backend that records each graph dynamo hands it (parameters, operations,
+  collectives) and then runs torch's own backend on it ("aot_eager" by default, "inductor" for real code).
+- `HookTimeline` and `timeline_hook`: a DDP comm hook around torch's allreduce_hook that records, with
+  time.perf_counter, when DDP called it for each bucket and when the all-reduce's future completed (our instrument,
+  beside the profiler's events).
+- `exact_average`, `flat_grad`, `relative_error`: the lesson's gradient error, ||got - exact|| / ||exact||, against
+  the exact average of the ranks' gradients.
+- `release(...)`: what a worker with comm hooks does before destroy_process_group (see its docstring).
+
+No `from __future__ import annotations` here: DDP checks a comm hook's return annotation when it is registered.
+"""
+import atexit
+import contextlib
+import gc
+import itertools
+import os
+import shutil
+import tempfile
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+from helpers.kit.data import digits_as_mnist
+
+NO_COMPILER = ("torch.compile's default backend, inductor, turns each graph into C++ on a CPU and needs a C++ "
+               "compiler; torch found none ({detail}). Install one (Debian or Ubuntu: `sudo apt-get install g++`; "
+               "macOS: `xcode-select --install`), or name one in the CXX environment variable before you start "
+               "Jupyter, then restart the kernel. Everything in the lesson that does not compile with inductor "
+               "runs without it.")
+
+
+class NoCompiler(RuntimeError):
+    """Inductor cannot run here: no working C++ compiler."""
+
+
+class Block(nn.Module):
+    """One Linear and its ReLU: a unit the lesson compiles, shards and counts."""
+
+    def __init__(self, width_in: int, width_out: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width_in, width_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.linear(x))
+
+
+class StepModel(nn.Module):
+    """784 -> width (Block) -> width (Block) x (depth - 1) -> 10 (Linear head)."""
+
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        widths = [28 * 28] + [width] * depth
+        self.blocks = nn.ModuleList(Block(a, b) for a, b in itertools.pairwise(widths))
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x = images.flatten(1)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def build_model(width: int = 256, depth: int = 2, seed: int = 0) -> StepModel:
+    """The lesson's model; the same seed gives the same weights on every rank."""
+    torch.manual_seed(seed)
+    return StepModel(width, depth)
+
+
+def digits_batches(rank: int, per_rank_batch: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`count` batches of the handwritten digits that ship with the lessons, a different slice on each rank (the same
+    on every machine: no download)."""
+    images, labels = digits_as_mnist(train=True)
+    generator = torch.Generator().manual_seed(rank)
+    order = torch.randperm(len(labels), generator=generator)
+    batches = []
+    for index in range(count):
+        take = order[(torch.arange(per_rank_batch) + index * per_rank_batch) % len(labels)]
+        batches.append((images[take], labels[take]))
+    return batches
+
+
+def require_cxx() -> str:
+    """The C++ compiler inductor will use (torch's own lookup, torch/_inductor/cpp_builder.py, get_cpp_compiler);
+    NoCompiler with what to do when there is none."""
+    from torch._inductor import cpp_builder, exc
+    try:
+        return cpp_builder.get_cpp_compiler()
+    except exc.InvalidCxxCompiler as error:
+        raise NoCompiler(NO_COMPILER.format(detail=error)) from None
+
+
+def prepare_compile() -> str:
+    """One compile thread; the compile caches in a temporary folder of this launch, the same for every rank (so that
+    a rank can read what another compiled) and removed at exit; returns that folder. Whether inductor can compile
+    here is require_cxx's question."""
+    os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
+    launch_id = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT") or str(os.getpid())
+    cache = os.path.join(tempfile.gettempdir(), f"lesson13-compile-cache-{launch_id}")
+    os.makedirs(cache, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+    atexit.register(shutil.rmtree, cache, ignore_errors=True)
+    import torch._inductor.config as inductor_config
+    inductor_config.compile_threads = 1  # workers forked from the launch server inherit its config, already read
+    return cache
+
+
+@contextlib.contextmanager
+def still_working(what: str, every: float = 4.0, enabled: bool = True):
+    """Print `what` at once, then "<what>: still working after N s" every `every` seconds until the block ends (a
+    compile can take half a minute without a word of its own). enabled=False: silent (the other ranks)."""
+    started, done = time.monotonic(), threading.Event()
+    if enabled:
+        print(what, flush=True)
+
+    def tick() -> None:
+        while enabled and not done.wait(every):
+            print(f"{what}: still working after {time.monotonic() - started:.0f} s", flush=True)
+
+    ticker = threading.Thread(target=tick, daemon=True)
+    ticker.start()
+    try:
+        yield
+    finally:
+        done.set()
+        ticker.join()
+
+
+class GraphCounter:
+    """A torch.compile backend that records every graph dynamo hands it, then compiles it with torch's `backend`.
+
+    Per graph: the bytes of the parameters it takes (dynamo passes them as inputs), its operations, and the
+    collectives in it (compiled autograd puts DDP's all-reduces into the backward graph)."""
+
+    def __init__(self, backend: str = "aot_eager") -> None:
+        from torch._dynamo.backends.registry import lookup_backend
+        self.backend, self.compile = backend, lookup_backend(backend)
+        self.graphs: list[dict[str, Any]] = []
+
+    def __call__(self, graph_module: torch.fx.GraphModule, example_inputs: list) -> Any:
+        calls = [node for node in graph_module.graph.nodes if node.op == "call_function"]
+        self.graphs.append({
+            "parameter_bytes": sum(t.numel() * t.element_size() for t in example_inputs
+                                   if isinstance(t, nn.Parameter)),
+            "operations": len(calls),
+            "collectives": [str(node.target) for node in calls if "_c10d_functional" in str(node.target)
+                            and "wait" not in str(node.target)],
+        })
+        return self.compile(graph_module, example_inputs)
+
+
+class HookTimeline:
+    """State for `timeline_hook`: when DDP handed each bucket to the hook, and when its all-reduce completed, in
+    seconds of time.perf_counter (our instrument: Python code that runs inside the backward it measures)."""
+
+    def __init__(self) -> None:
+        self.spans: list[dict[str, Any]] = []
+
+    def take(self) -> list[dict[str, Any]]:
+        spans, self.spans = self.spans, []
+        return spans
+
+
+def timeline_hook(state: HookTimeline, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """torch's allreduce_hook, with the moment it was called and the moment its future completed recorded."""
+    span = {"bucket": bucket.index(), "bytes": bucket.buffer().numel() * bucket.buffer().element_size(),
+            "called": time.perf_counter()}
+    state.spans.append(span)
+
+    def completed(future: torch.futures.Future) -> torch.Tensor:
+        span["completed"] = time.perf_counter()
+        return future.value()
+
+    future = default_hooks.allreduce_hook(None, bucket)
+    span["returned"] = time.perf_counter()
+    return future.then(completed)
+
+
+def release(*holders: Any) -> None:
+    """Before destroy_process_group: drop DDP models with comm hooks (and whatever holds them), collect them on the
+    main thread, and let gloo's threads finish a barrier, so that they let go of the callbacks of past all-reduces
+    (PowerSGD's hold the process group). Otherwise the last reference to the process group can go on one of gloo's
+    own threads, whose destructor then joins itself, and the process aborts at exit ("Resource deadlock
+    avoided")."""
+    for holder in holders:
+        holder.clear()
+    gc.collect()
+    for _ in range(2):
+        dist.barrier()
+    gc.collect()
+
+
+def flat_grad(model: nn.Module) -> torch.Tensor:
+    """Every parameter's gradient, flattened into one vector (zeros where a gradient is missing)."""
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                      for p in model.parameters()])
+
+
+def exact_average(reference: nn.Module, weights: dict, batch: tuple, world_size: int) -> torch.Tensor:
+    """The gradient an uncompressed all-reduce gives: `reference` takes `weights`, runs `batch`, and its flat gradient
+    is summed over ranks and divided by the world size (one all-reduce, outside any hook)."""
+    reference.load_state_dict(weights)
+    reference.zero_grad(set_to_none=True)
+    images, labels = batch
+    nn.functional.cross_entropy(reference(images), labels).backward()
+    gradient = flat_grad(reference)
+    dist.all_reduce(gradient)
+    return gradient / world_size
+
+
+def relative_error(got: torch.Tensor, exact: torch.Tensor) -> float:
+    """||got - exact|| / ||exact||."""
+    return ((got - exact).norm() / exact.norm()).item()
