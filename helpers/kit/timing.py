@@ -29,11 +29,13 @@ NOT_DISTINGUISHABLE = "not distinguishable on this machine"
 
 @dataclass
 class Timing:
-    """One setting's rounds: seconds of wall time and of this process's CPU time per round."""
+    """One setting's rounds: seconds of wall time and of CPU time per round. `ranks` > 1 once across_ranks merged
+    several ranks: wall time is then the slowest rank's, CPU time the sum over the ranks."""
 
     name: str
     wall: list[float] = field(default_factory=list)
     cpu: list[float] = field(default_factory=list)
+    ranks: int = 1
 
     def median(self, kind: str = "wall") -> float:
         return statistics.median(getattr(self, kind))
@@ -81,13 +83,16 @@ def verdict(first: Timing, second: Timing, kind: str = "wall") -> Verdict:
     """`first` against `second`: faster only when every round of one beat every round of the other."""
     (low1, high1), (low2, high2) = first.spread(kind), second.spread(kind)
     m1, m2 = first.median(kind), second.median(kind)
-    what = "wall time" if kind == "wall" else "CPU time"
+    ranks = max(first.ranks, second.ranks)
+    what = "wall time" if kind == "wall" else ("CPU time" if ranks == 1 else f"CPU time of {ranks} ranks together")
     numbers = f"{first.name} {first.summary(kind)}, {second.name} {second.summary(kind)}"
     if high1 < low2 or high2 < low1:
         fast, slow = (first, second) if high1 < low2 else (second, first)
         ratio = slow.median(kind) / fast.median(kind)
+        # CPU time is work done, not how long a step took: "faster" only for wall time
+        said = "is faster than" if kind == "wall" else "uses less CPU time than"
         return Verdict(fast.name, slow.name, ratio,
-                       f"{fast.name} is faster than {slow.name} ({what} {ratio:.2f}x less, median of "
+                       f"{fast.name} {said} {slow.name} ({what} {ratio:.2f}x less, median of "
                        f"{len(getattr(fast, kind))} rounds; {numbers}; the spreads do not overlap)")
     ratio = m2 / m1 if m1 else float("nan")
     return Verdict(None, None, ratio, f"{first.name} and {second.name}: {NOT_DISTINGUISHABLE} ({what}: {numbers}; "
@@ -132,6 +137,7 @@ def across_ranks(per_rank: Iterable[dict[str, dict[str, Any]]]) -> dict[str, Tim
             into = merged[name]
             into.wall = [max(a, b) for a, b in zip(into.wall, rank.wall, strict=True)]
             into.cpu = [a + b for a, b in zip(into.cpu, rank.cpu, strict=True)] if rank.cpu else into.cpu
+            into.ranks += 1
     return merged
 
 

@@ -36,7 +36,7 @@ def test_a_real_twofold_difference_is_called_faster():
     timings = take_turns({"once": lambda: _work(1), "twice": lambda: _work(2)}, rounds=5, warmup=1, repeat=3)
     found = verdict(timings["twice"], timings["once"], kind="cpu")
     assert found.faster == "once" and found.slower == "twice" and found.ratio > 1.5, found.sentence
-    assert found.sentence.startswith("once is faster than twice (CPU time")
+    assert found.sentence.startswith("once uses less CPU time than twice (CPU time")
 
 
 def test_noise_larger_than_the_difference_makes_it_not_distinguishable():
@@ -86,7 +86,9 @@ def test_across_ranks_takes_the_slowest_rank_of_each_round():
     ranks = [{"x": Timing("x", [1, 5, 1, 1, 1], [1, 1, 1, 1, 1]).as_dict()},
              {"x": Timing("x", [2, 1, 2, 2, 2], [2, 2, 2, 2, 2]).as_dict()}]
     merged = across_ranks(ranks)["x"]
-    assert merged.wall == [2, 5, 2, 2, 2] and merged.cpu == [3, 3, 3, 3, 3]
+    assert merged.wall == [2, 5, 2, 2, 2] and merged.cpu == [3, 3, 3, 3, 3] and merged.ranks == 2
+    other = Timing("y", [9, 9, 9, 9, 9], [9, 9, 9, 9, 9], ranks=2)
+    assert "(CPU time of 2 ranks together" in verdict(merged, other, kind="cpu").sentence  # not read as one rank's
 
 
 def test_a_fitted_model_is_trusted_only_where_its_residuals_are_small():
