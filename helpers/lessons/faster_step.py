@@ -349,10 +349,31 @@ def hook_events(hook_step: dict) -> list[dict]:
     return events
 
 
+def overlap(events: list[dict]) -> dict[str, float]:
+    """How much of one step's running all-reduce time falls inside backward compute.
+
+    compute: the backward ops on the training thread, minus the all-reduce calls issued from inside them;
+    communication: the all-reduce running in the backend's thread (with gloo this includes waiting for the
+    other ranks). fraction = |communication and compute at the same time| / |communication|.
+    """
+    from helpers.lessons.dp_vs_ddp import intersect, subtract, total  # imports torch: only when this section runs
+
+    def spans(kind: str) -> list[tuple[float, float]]:
+        return [(e["start_us"], e["end_us"]) for e in events if e["kind"] == kind]
+
+    compute = subtract(spans("backward"), spans("all-reduce issued"))
+    communication = spans("all-reduce running")
+    backward_end = max(end for _, end in spans("backward"))
+    both = total(intersect(communication, compute))
+    comm = total(communication)
+    return {"communication_us": comm, "compute_us": total(compute), "overlap_us": both,
+            "fraction": both / comm if comm else 0.0, "backward_us": backward_end,
+            "communication_after_backward_us": total(subtract(communication, [(float("-inf"), backward_end)]))}
+
+
 def overlaps(profile_results: dict) -> dict[str, list[dict[str, float]]]:
-    """Lesson 03's measure (helpers.lessons.dp_vs_ddp.overlap) on three sources of the same launch: the trace's plain
-    steps (lesson 03's setting), the trace's hooked steps, and our hook's record of those hooked steps."""
-    from helpers.lessons.dp_vs_ddp import overlap  # imports torch: only when this section runs
+    """overlap() on three sources of the same launch: the trace's plain steps (lesson 03's setting), the trace's
+    hooked steps, and our hook's record of those hooked steps."""
     trace = profile_results["trace"]
     return {"profiler, plain steps (lesson 03's setting)": [overlap(s) for s in trace_steps(trace, "plain")],
             "profiler, hooked steps": [overlap(s) for s in trace_steps(trace, "hooked")],
