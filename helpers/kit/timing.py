@@ -89,8 +89,10 @@ def verdict(first: Timing, second: Timing, kind: str = "wall") -> Verdict:
     if high1 < low2 or high2 < low1:
         fast, slow = (first, second) if high1 < low2 else (second, first)
         ratio = slow.median(kind) / fast.median(kind)
+        # CPU time is work done, not how long a step took: "faster" only for wall time
+        said = "is faster than" if kind == "wall" else "uses less CPU time than"
         return Verdict(fast.name, slow.name, ratio,
-                       f"{fast.name} is faster than {slow.name} ({what} {ratio:.2f}x less, median of "
+                       f"{fast.name} {said} {slow.name} ({what} {ratio:.2f}x less, median of "
                        f"{len(getattr(fast, kind))} rounds; {numbers}; the spreads do not overlap)")
     ratio = m2 / m1 if m1 else float("nan")
     return Verdict(None, None, ratio, f"{first.name} and {second.name}: {NOT_DISTINGUISHABLE} ({what}: {numbers}; "

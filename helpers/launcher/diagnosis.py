@@ -146,9 +146,11 @@ _SKIP_FRAME = re.compile(r'  File "[^"]*(runpy\.py|<frozen runpy>|helpers/launch
 def clean_traceback(text: str, bases: tuple[str, ...] = ()) -> str:
     """Drop the launcher's own frames and shorten paths so the learner sees their code."""
     text = _SKIP_FRAME.sub("", text)
+    # site-packages first: a virtual environment inside the repository (.venv/) reads the same as one outside it
+    text = re.sub(r'"/[^"]*/site-packages/', '".../site-packages/', text)
     for base in bases:
         text = text.replace(base.rstrip(os.sep) + os.sep, "")
-    return re.sub(r'"/[^"]*/site-packages/', '".../site-packages/', text)
+    return text
 
 
 def last_lines(text: str, count: int = 15) -> str:

@@ -18,7 +18,6 @@ from helpers import LaunchTimeout, WorkerFailed, launch
 from helpers.kit import WORKERS
 from helpers.kit.timing import Timing, across_ranks, verdict
 from helpers.lessons.checks import announce_run, correct, not_yet, not_yet_crashed
-from helpers.lessons.dp_vs_ddp import issue_order, subtract
 
 FLOAT32_BYTES = 4
 HALF_BYTES = 2
@@ -402,6 +401,7 @@ def profile_table(profile_results: dict) -> dict[str, dict[str, Any]]:
     """Per setting, from the trace file: lesson 03's issue_order of each profiled step, the bytes gloo's all-reduces
     carried per step (the trace's own record), the threads they ran on, and the backward's span in the trace; beside
     them, from the worker's clocks, the backward's wall time and the training thread's CPU time (medians)."""
+    from helpers.lessons.dp_vs_ddp import issue_order  # imports torch: only when this section runs
     table = {}
     for setting in profile_results["settings"]:
         steps = trace_steps(profile_results["trace"], setting)
@@ -423,6 +423,8 @@ def timeline_figure(profile_results: dict, step: int, settings: tuple[str, ...] 
     """One profiled step of each setting, drawn from the trace file: the backward's ops on the training thread (less
     the calls that issue the all-reduces), those calls, and gloo's all-reduce on its threads (waiting included)."""
     import matplotlib.pyplot as plt
+
+    from helpers.lessons.dp_vs_ddp import subtract  # imports torch: only when this section runs
 
     def spans(events, kind):
         return [(e["start_us"] / 1000, e["end_us"] / 1000) for e in events if e["kind"] == kind]

@@ -591,14 +591,19 @@ def dp_traffic(psi: float, dp: int, stage: str, microbatches: int = 1, reduce_by
     return ring * (2 * psi * microbatches * (2 if regather else 1) + reduce_bytes * psi * reductions)
 
 
-def ring_attention_bytes(tokens: float, kv_hidden: int, cp: int, bytes_per_value: int = 2) -> float:
-    """Bytes one rank sends for one attention layer and one micro-batch under ring attention over `cp` ranks, forward
-    and backward: its keys and values (tokens / cp x kv_hidden values each) travel cp - 1 times in forward, cp - 1 times
-    again in backward, and their gradients cp times (the last pass brings them home): (3 cp - 2) x its k and v.
+def ring_attention_bytes(tokens: float, kv_hidden: int, cp: int, bytes_per_value: int = 2,
+                         gradient_bytes_per_value: int = 4) -> float:
+    """Bytes one rank sends for one attention layer and one micro-batch under torch's ring attention over `cp` ranks,
+    forward and backward. Its keys and values, kv = 2 x tokens / cp x kv_hidden values, travel cp - 1 times in
+    forward and cp - 1 times again in backward, in the model's dtype (`bytes_per_value`); their gradients travel cp
+    times (the last pass brings them home) in the dtype torch accumulates them in: float32 by default
+    (`_cp_options.convert_to_f32`), so `gradient_bytes_per_value` = 4 whatever the model's dtype.
+    float32: (3 cp - 2) x kv x 4 bytes; bfloat16: 2 (cp - 1) x kv x 2 + cp x kv x 4 = (4 cp - 2) x kv x 2 bytes.
     An all-gather of k and v sends the same bytes (each rank's block reaches the cp - 1 others); it holds more."""
     if cp == 1:
         return 0.0
-    return (3 * cp - 2) * 2 * tokens / cp * kv_hidden * bytes_per_value
+    kv = 2 * tokens / cp * kv_hidden
+    return (2 * (cp - 1) * bytes_per_value + cp * gradient_bytes_per_value) * kv
 
 
 def moe_all_to_all_bytes(tokens: float, hidden: int, ep: int, top_k: int = 2, bytes_per_value: int = 2) -> float:
@@ -609,31 +614,38 @@ def moe_all_to_all_bytes(tokens: float, hidden: int, ep: int, top_k: int = 2, by
 
 
 def attention_saved_bytes(tokens: float, hidden: int, heads: int, cp: int = 1, bytes_per_value: int = 2,
-                          lse_bytes: int = 4) -> float:
+                          lse_bytes: int = 4, kv_hidden: int | None = None) -> float:
     """Bytes one rank keeps for backward from one attention layer with a fused (flash) kernel: q, k, v and the output
-    of its tokens / cp tokens, and one log-sum-exp per token and head. Linear in the tokens, divided by cp."""
-    return tokens / cp * (4 * hidden * bytes_per_value + heads * lse_bytes)
+    of its tokens / cp tokens, and one log-sum-exp per token and head. Linear in the tokens, divided by cp. kv_hidden:
+    the width of k and v (smaller with grouped-query attention; `hidden` by default)."""
+    kv_hidden = hidden if kv_hidden is None else kv_hidden
+    return tokens / cp * ((2 * hidden + 2 * kv_hidden) * bytes_per_value + heads * lse_bytes)
 
 
 def plan(n_params: float, dp: int, tp: int = 1, pp: int = 1, microbatches: int = 1, stage: str = "ZeRO-3",
          fp32_gradients: bool = False, blocks: int = 2, tokens: int = 4096, hidden: int = 4096, cp: int = 1,
          ep: int = 1, expert_params: float = 0.0, top_k: int = 2, heads: int = 32, reduce_bytes: int = 2,
-         regather: bool = True, reduce_every_microbatch: bool = True) -> dict[str, Any]:
-    """Our planner for a dp x tp x pp (x cp, with ep over the dp ranks) layout with ZeRO `stage` over dp (formulas,
-    not measurements).
+         regather: bool = True, reduce_every_microbatch: bool = True, kv_heads: int | None = None) -> dict[str, Any]:
+    """Our planner for a dp x tp x pp x cp layout, ep carved from the dp x cp ranks, with ZeRO `stage` (formulas, not
+    measurements).
 
-    memory: bytes per rank by part, the ZeRO paper's accounting on the rank's Psi' parameters, Psi' = (dense) /
-    (tp x pp) + (expert_params) / (tp x pp x ep) (plus fp32 gradients, 4 bytes, sharded from ZeRO-2 on, as the Playbook
-    notes); activations are not counted. traffic: bytes each rank sends per step on each mesh dimension, ring
-    algorithms ((n-1)/n of the data per all-gather or reduce-scatter, twice that per all-reduce); dp: `dp_traffic`
-    (gradients in `reduce_bytes` per value, per micro-batch or once per step; at ZeRO-3 the bf16 weights gathered once
-    or twice per micro-batch); tp moves the activations (tokens / cp x hidden x 2 bytes per micro-batch) 8 times per
-    block with sequence parallelism; pp sends one activation forward and one gradient back per micro-batch; cp: ring
-    attention's k and v, ring_attention_bytes per block; ep: four token all-to-alls per block, moe_all_to_all_bytes
-    (every block a MoE block, experts equally loaded). counts: collectives per step for lesson 10's transformer with
-    `blocks` blocks (dp: FSDP2's, per micro-batch as dp_traffic counts them). bubble: (pp - 1) / (microbatches + pp -
-    1). attention saved: bytes one rank keeps for backward per attention layer and micro-batch
-    (attention_saved_bytes). cp = ep = 1 gives lesson 11's planner.
+    memory: bytes per rank by part, the ZeRO paper's accounting (plus fp32 gradients, 4 bytes, sharded from ZeRO-2
+    on, as the Playbook notes); activations are not counted. A rank holds dense / (tp x pp) dense parameters and
+    expert_params / (tp x pp x ep) expert parameters. The cp ranks hold the same weights as the dp ranks (they split
+    the sequence, not the model), so ZeRO shards the dense parameters over dp x cp ranks; each expert lives on
+    dp x cp / ep ranks, and ZeRO shards it over those (torchtitan's fsdp = dp_shard x cp and efsdp = fsdp / ep).
+    traffic: bytes each rank sends per step on each mesh dimension, ring algorithms ((n-1)/n of the data per
+    all-gather or reduce-scatter, twice that per all-reduce); dp: `dp_traffic` over the ranks that hold the same
+    weights, dp x cp for the dense parameters and dp x cp / ep for the experts' (gradients in `reduce_bytes` per value,
+    per micro-batch or once per step; at ZeRO-3 the bf16 weights gathered once or twice per micro-batch); tp moves the
+    activations (tokens / cp x hidden x 2 bytes per micro-batch) 8 times per block with sequence parallelism; pp sends
+    one activation forward and one gradient back per micro-batch; cp: torch's ring attention, ring_attention_bytes per
+    block (bf16 k and v, float32 gradients), with `kv_heads` key/value heads of `heads` (grouped-query attention; all
+    of them by default); ep: four token all-to-alls per block, moe_all_to_all_bytes (every block a MoE block, experts
+    equally loaded). counts: collectives per step for lesson 10's transformer with `blocks` blocks (dp: FSDP2's, per
+    micro-batch as dp_traffic counts them). bubble: (pp - 1) / (microbatches + pp - 1). attention saved: bytes one
+    rank keeps for backward per attention layer and micro-batch (attention_saved_bytes). cp = ep = 1 gives lesson 11's
+    planner.
     """
     from helpers.lessons.model_parallel import bubble_fraction
 
@@ -643,25 +655,37 @@ def plan(n_params: float, dp: int, tp: int = 1, pp: int = 1, microbatches: int =
         raise ValueError("dp, tp, pp, microbatches, cp and ep must be at least 1")
     if not 0 <= expert_params <= n_params:
         raise ValueError(f"expert_params must be between 0 and n_params, got {expert_params:g}")
-    psi = (n_params - expert_params) / (tp * pp) + expert_params / (tp * pp * ep)
+    if (dp * cp) % ep:
+        raise ValueError(f"ep must divide dp x cp = {dp * cp}: expert parallel ranks are carved from the ranks that "
+                         f"hold the same dense weights, got ep = {ep}")
+    kv_heads = heads if kv_heads is None else kv_heads
+    if not 1 <= kv_heads <= heads or heads % kv_heads:
+        raise ValueError(f"kv_heads must divide heads = {heads}, got {kv_heads}")
+    dense = (n_params - expert_params) / (tp * pp)
+    experts = expert_params / (tp * pp * ep)
+    group, expert_group = dp * cp, dp * cp // ep  # the ranks that hold the same dense weights, the same experts
     per_param = {"fp16 weights": 2, "fp16 gradients": 2, "fp32 master weights": 4, "Adam state": 8,
                  "fp32 gradients": 4 if fp32_gradients else 0}
-    memory = {part: psi * size / (dp if part in SHARDED_PARTS[stage] else 1) for part, size in per_param.items()}
+    memory = {part: dense * size / (group if part in SHARDED_PARTS[stage] else 1)
+              + experts * size / (expert_group if part in SHARDED_PARTS[stage] else 1)
+              for part, size in per_param.items()}
     ring = lambda n: (n - 1) / n  # noqa: E731 - the share of the data each rank sends in a ring
     activation = tokens / cp * hidden * 2  # one micro-batch's activations on this rank in bf16, bytes
     per_block = blocks / pp * microbatches
-    traffic = {"dp": dp_traffic(psi, dp, stage, microbatches, reduce_bytes, regather, reduce_every_microbatch),
+    kv_hidden = hidden * kv_heads // heads // tp
+    sync = (stage, microbatches, reduce_bytes, regather, reduce_every_microbatch)
+    traffic = {"dp": dp_traffic(dense, group, *sync) + dp_traffic(experts, expert_group, *sync),
                "tp": 8 * per_block * ring(tp) * activation if tp > 1 else 0.0,
                "pp": 2 * microbatches * activation if pp > 1 else 0.0,
-               "cp": per_block * ring_attention_bytes(tokens, hidden // tp, cp),
+               "cp": per_block * ring_attention_bytes(tokens, kv_hidden, cp),
                "ep": 4 * per_block * moe_all_to_all_bytes(tokens / cp, hidden, ep, top_k) if ep > 1 else 0.0}
     fsdp = fsdp_collectives(blocks)
     gathers = microbatches * (fsdp["all_gather"] if regather else blocks + 1)
     scatters = (microbatches if reduce_every_microbatch else 1) * fsdp["reduce_scatter"]
-    counts = {"dp": {"all_gather": gathers, "reduce_scatter": scatters} if stage == "ZeRO-3" and dp > 1 else {},
+    counts = {"dp": {"all_gather": gathers, "reduce_scatter": scatters} if stage == "ZeRO-3" and group > 1 else {},
               "tp": tp_collectives(blocks) if tp > 1 else {}}
     return {"memory": memory, "traffic": traffic, "counts": counts, "bubble": bubble_fraction(pp, microbatches),
-            "attention saved": attention_saved_bytes(tokens, hidden // tp, heads // tp, cp)}
+            "attention saved": attention_saved_bytes(tokens, hidden // tp, heads // tp, cp, kv_hidden=kv_hidden)}
 
 
 def planner_figure(billions: float = 7.5, dp: int = 64, tp: int = 1, pp: int = 1, microbatches: int = 8,

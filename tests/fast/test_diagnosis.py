@@ -113,6 +113,8 @@ def test_clean_traceback_drops_launcher_frames_and_machine_paths():
     cleaned = clean_traceback(text, ("/home/me/repo",))
     assert "runpy" not in cleaned and "bootstrap.py" not in cleaned and "run_script" not in cleaned
     assert '"train.py", line 9' in cleaned and '".../site-packages/torch/distributed/c10d_logger.py"' in cleaned
+    inside = text.replace("/home/me/.venv/", "/home/me/repo/.venv/")  # a venv inside the repository reads the same
+    assert clean_traceback(inside, ("/home/me/repo",)) == cleaned
 
 
 # ---------------------------------------------------------------------------- hangs

@@ -213,14 +213,48 @@ def test_planner_cp_and_ep_terms():
     assert plan(1e9, 1, cp=4, tp=2, tokens=1024)["traffic"]["tp"] == pytest.approx(
         plan(1e9, 1, tp=2, tokens=256)["traffic"]["tp"])  # cp divides each rank's activations
     # experts: only the expert parameters are divided by ep; four all-to-alls per MoE block
-    assert plan(10e9, 1, ep=4, expert_params=8e9, stage="DP")["memory"]["fp16 weights"] == 2 * (2e9 + 2e9)
+    assert plan(10e9, 4, ep=4, expert_params=8e9, stage="DP")["memory"]["fp16 weights"] == 2 * (2e9 + 2e9)
     assert moe_all_to_all_bytes(16, 8, 2, bytes_per_value=4) == 16 * 2 * 8 * 4 / 2
     assert plan(1e9, 2, ep=2, blocks=1, tokens=16, hidden=8)["traffic"]["ep"] == 4 * moe_all_to_all_bytes(16, 8, 2)
     assert attention_saved_bytes(256, 32, 2, cp=4, bytes_per_value=4) == 64 * (4 * 32 * 4 + 2 * 4)
     with pytest.raises(ValueError, match="at least 1"):
         plan(1e9, 1, cp=0)
     with pytest.raises(ValueError, match="expert_params"):
-        plan(1e9, 1, ep=2, expert_params=2e9)
+        plan(1e9, 2, ep=2, expert_params=2e9)
+    with pytest.raises(ValueError, match="ep must divide dp x cp"):
+        plan(1e9, 2, cp=3, ep=4)
+    with pytest.raises(ValueError, match="kv_heads"):
+        plan(1e9, 1, heads=32, kv_heads=5)
+
+
+def test_planner_shards_experts_over_the_ranks_that_hold_them_and_reduces_over_cp():
+    from helpers.lessons.scale import ring_attention_bytes
+
+    # a fresh reader's probes (r12-1, 12-1 and 12-3): the 8 ranks together hold every expert parameter once at ZeRO-3,
+    # whatever ep; with ep = dp the experts are not replicated and send nothing; cp ranks reduce their gradients
+    for ep in (1, 2, 4, 8):
+        zero3 = plan(8e9, 8, ep=ep, expert_params=8e9, stage="ZeRO-3")
+        assert 8 * zero3["memory"]["fp16 weights"] / 2 == pytest.approx(8e9), ep
+        zero1 = plan(8e9, 8, ep=ep, expert_params=8e9, stage="ZeRO-1")
+        assert 8 * zero1["memory"]["Adam state"] / 8 == pytest.approx(8e9), ep
+    assert plan(8e9, 8, ep=8, expert_params=8e9)["traffic"]["dp"] == 0.0
+    assert plan(7.5e9, 1, cp=8)["traffic"]["dp"] == plan(7.5e9, 8)["traffic"]["dp"] > 0
+    assert plan(7.5e9, 1, cp=8)["memory"] == plan(7.5e9, 8)["memory"]
+    assert plan(7.5e9, 1, cp=8)["counts"]["dp"] == plan(7.5e9, 8)["counts"]["dp"]
+    # torch's ring sends bf16 k and v but float32 gradients: (4 cp - 2) x kv in bf16, (3 cp - 2) x kv in fp32
+    kv = 2 * 1024 / 4 * 64
+    assert ring_attention_bytes(1024, 64, 4) == (4 * 4 - 2) * kv * 2
+    assert ring_attention_bytes(1024, 64, 4, bytes_per_value=4) == (3 * 4 - 2) * kv * 4
+    # grouped-query attention: 8 key/value heads of 32 send a quarter of the ring's bytes
+    assert plan(1e9, 1, cp=4, kv_heads=8)["traffic"]["cp"] == plan(1e9, 1, cp=4)["traffic"]["cp"] / 4
+
+
+def test_planner_cp_ep_equals_fsdp2s_own_accounting():
+    from helpers.lessons.context_experts import planner_against_fsdp
+
+    for row in planner_against_fsdp(((1, 2, 1), (4, 1, 2), (2, 2, 4))):  # cp alone; ep < dp; ep = dp x cp
+        for what in ("weights", "gradients", "sent"):
+            assert row[what] == row["planned"][what], (row["layout"], what)
 
 
 def test_planner_figure_draws_the_planner_numbers():

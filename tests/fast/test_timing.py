@@ -36,7 +36,7 @@ def test_a_real_twofold_difference_is_called_faster():
     timings = take_turns({"once": lambda: _work(1), "twice": lambda: _work(2)}, rounds=5, warmup=1, repeat=3)
     found = verdict(timings["twice"], timings["once"], kind="cpu")
     assert found.faster == "once" and found.slower == "twice" and found.ratio > 1.5, found.sentence
-    assert found.sentence.startswith("once is faster than twice (CPU time")
+    assert found.sentence.startswith("once uses less CPU time than twice (CPU time")
 
 
 def test_noise_larger_than_the_difference_makes_it_not_distinguishable():
