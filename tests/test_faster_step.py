@@ -82,8 +82,10 @@ WRONG = {  # a learner's mistakes -> the words the check must say
     "keeps_its_own.py": ([(CAST_BACK, "return buffer")], "this rank's own gradients, scaled, not the all-reduced sum"),
     "callback_error.py": ([("        summed = done.value()[0]\n", "        summed = done.value()[0]\n        oops\n")],
                           "raised NameError: name 'oops' is not defined at callback_error.py:"),
+    # group_src, not src=0: global rank 0 is not in rank 2's group, which would crash rank 2 alone (a hang here)
     "broadcasts.py": ([("dist.all_reduce(compressed, group=group, async_op=True)",
-                        "dist.broadcast(compressed, src=0, group=group, async_op=True)")], "called ['broadcast']"),
+                        "dist.broadcast(compressed, group_src=0, group=group, async_op=True)")],
+                       "called ['broadcast']"),
     "wrong_name.py": ([("def compress_hook(", "def compression_hook(")], "defines no function compress_hook"),
     "torchs_bf16.py": ([("    return future.then(decompress)",
                          "    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks\n"

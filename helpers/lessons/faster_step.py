@@ -513,7 +513,7 @@ def closing_note(hooks: dict, compiled: dict, fsdp: dict, profiled: dict | None,
     result = fraction_table(mfu)
     low, high = result["fraction_range"]
     print(f"A DDP step reached {result['fraction']:.0%} ({low:.0%}-{high:.0%}) of a measured matmul rate of "
-          f"{result['rates'][result['best_size']]['median'] / 1e9:.0f} GFLOP/s per rank "
+          f"{result['rates'][result['best_size']]['median'] / 1e9:.1f} GFLOP/s per rank "
           f"({result['flops'] / 1e6:.0f} MFLOP per step and rank); "
           f"{_short(result['steps']['DDP step'], result['steps']['no all-reduce (no_sync)'])}")
 
@@ -524,6 +524,7 @@ def _short(first: Timing, second: Timing) -> str:
     for kind in ("wall", "cpu"):
         found = verdict(first, second, kind=kind)
         what = "wall" if kind == "wall" else f"CPU of {max(first.ranks, second.ranks)} ranks"
-        said.append(f"{found.faster} faster, {found.ratio:.2f}x ({what})" if found.distinguishable
+        done = "faster" if kind == "wall" else "uses less CPU"  # CPU time is work done, not a step's duration
+        said.append(f"{found.faster} {done}, {found.ratio:.2f}x ({what})" if found.distinguishable
                     else f"not distinguishable ({what})")
     return f"{first.name} against {second.name}: " + "; ".join(said)
