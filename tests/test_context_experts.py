@@ -1,7 +1,9 @@
 """Lesson 12: the ring-attention and expert-parallel checks accept the solutions and right-but-different designs,
 say "Not yet" on the starting code, and name each wrong class's mistake. Wrong classes are mutated copies of
-helpers/workers/context_ring_solution.py and experts_moe_solution.py; several share one launch
-(helpers.lessons.context_experts.grade_many) to keep the suite fast; crashes and hangs get a launch each."""
+helpers/workers/context_ring_solution.py and experts_moe_solution.py, among them the wrong implementations a fresh
+reader wrote (W2 to W5; W1, a merge, is in tests/fast/test_context_experts_kit.py); several share one launch
+(helpers.lessons.context_experts.grade_many) to keep the suite fast; a crash on one rank alone and a hang get a launch
+each."""
 import json
 import re
 from pathlib import Path
@@ -42,6 +44,21 @@ RING_MUTANTS = {
                      "                travelling = incoming\n"
                      "        return grad_q, travelling[-2], travelling[-1], None, None")],
         "dk equals the gradient of rank 1's keys and values"),
+    "starts from out = 0, lse = -inf with torch's sigmoid merge (a fresh reader's W5)": (
+        [("    new_lse = torch.logaddexp(lse, block_lse)  # log(exp(lse) + exp(block_lse)), without overflow\n"
+          "    out = torch.exp(lse - new_lse).unsqueeze(-1) * out + "
+          "torch.exp(block_lse - new_lse).unsqueeze(-1) * block_out\n"
+          "    return out, new_lse",
+          "    import torch.nn.functional as F\n"
+          "    out = out - F.sigmoid(block_lse - lse).unsqueeze(-1) * (out - block_out)\n"
+          "    return out, lse - F.logsigmoid(lse - block_lse)"),
+         ("        outs, lses = [None] * len(mine), [None] * len(mine)",
+          "        outs = [torch.zeros_like(c) for c in queries]\n"
+          "        lses = [torch.full(c.shape[:-1], float('-inf')) for c in queries]"),
+         ("                if outs[i] is None:\n                    outs[i], lses[i] = block_out, block_lse\n"
+          "                else:\n                    outs[i], lses[i] = merge(outs[i], lses[i], block_out, block_lse)",
+          "                outs[i], lses[i] = merge(outs[i], lses[i], block_out, block_lse)")],
+        "the output holds nan, and your merge gives nan in one case: merging a block into an empty start"),
     "keeps dk, dv of its own block at home (they never travel)": (
         [("        travelling = torch.stack([k, v, torch.zeros_like(k), torch.zeros_like(v)])  # k, v, dk, dv",
           "        travelling = torch.stack([k, v, torch.zeros_like(k), torch.zeros_like(v)])  # k, v, dk, dv\n"
@@ -82,6 +99,13 @@ CAUSAL_MUTANTS = {
           "                if causal and theirs[j] > mine[i]:\n"
           "                    block_lse = torch.full_like(block_lse, float('-inf'))\n")],
         "the result is right, but the forward computed"),
+    "reads the block's chunks one step behind (a fresh reader's W2)": (
+        [("            theirs = layout[(rank - step) % world_size]\n            keys, values = kv",
+          "            theirs = layout[(rank - step - 1) % world_size]\n            keys, values = kv"),
+         ("            theirs = ctx.layout[(rank - step) % world_size]",
+          "            theirs = ctx.layout[(rank - step - 1) % world_size]")],
+        "the output equals a ring that reads the chunk numbers of the block it holds at step s from the previous or "
+        "the next step's rank"),
     "sums the blocks' outputs instead of merging": (  # a merge that passes exercise 1 is not called: sums inline
         [("                    outs[i], lses[i] = merge(outs[i], lses[i], block_out, block_lse)",
           "                    outs[i], lses[i] = outs[i] + block_out, torch.logaddexp(lses[i], block_lse)")],
@@ -188,6 +212,21 @@ MOE_MUTANTS = {
         [("            self.kept = capacity_keep(chosen, self.num_experts, limit)",
           "            self.kept = capacity_keep(chosen.flip(1), self.num_experts, limit).flip(1)")],
         "every token's first choice before any second choice"),
+    "the way back with the dispatch's splits, not swapped (a fresh reader's W3)": (
+        [("        back = all_to_all_single_autograd(results, send_rows, receive_rows, dist.group.WORLD)",
+          "        back = all_to_all_single_autograd(results, receive_rows, send_rows, dist.group.WORLD)")],
+        "the return trip takes the dispatch's splits swapped"),
+    "the router's weight on the rows and on the results (a fresh reader's W4)": (
+        [("        arrived = all_to_all_single_autograd(x[token], receive_rows, send_rows, dist.group.WORLD)",
+          "        gated = weights[token, slot].unsqueeze(-1) * x[token]\n"
+          "        arrived = all_to_all_single_autograd(gated, receive_rows, send_rows, dist.group.WORLD)")],
+        "applies the router's weight twice"),
+    "the router's weight on the rows only": (
+        [("        arrived = all_to_all_single_autograd(x[token], receive_rows, send_rows, dist.group.WORLD)",
+          "        gated = weights[token, slot].unsqueeze(-1) * x[token]\n"
+          "        arrived = all_to_all_single_autograd(gated, receive_rows, send_rows, dist.group.WORLD)"),
+         ("index_add(0, token, weights[token, slot].unsqueeze(-1) * back)", "index_add(0, token, back)")],
+        "weights the rows before the experts"),
     "a plain all-to-all without autograd for the tokens": (
         [("        arrived = all_to_all_single_autograd(x[token], receive_rows, send_rows, dist.group.WORLD)",
           "        arrived = x.new_empty(sum(receive_rows), x.shape[1])\n"
@@ -219,6 +258,7 @@ def test_checks_accept_the_solutions_on_two_and_four_ranks(capsys):
     assert check_moe(MOE)
     lines = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("Checking")]
     assert len(lines) == 2 and all(line.startswith("Correct: ") for line in lines), lines
+    assert "Your design: a ring: k and v passed on with send/receive" in lines[0], lines[0]  # names what it saw
 
 
 def test_a_forgotten_count_exchange_crashes_with_gloos_size_check_explained(tmp_path, capsys):

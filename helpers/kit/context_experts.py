@@ -132,15 +132,26 @@ def block_flops(batch: int, heads: int, rows: int, head_dim: int) -> int:
 # what a learner's ring may get wrong, each simulated in one process (the check names the one an output matches).
 # "sent the other way round" (blocks travel to rank - 1, taken for rank (rank - s)'s) gives the same outputs as a
 # ring that sends the right way but takes the block at step s for rank (rank + s)'s: over all steps, the same pairs.
+# "block labelled one step off": the block that arrives at step s is rank (rank - s)'s, but the code reads its chunk
+# numbers from layout[(rank - s - 1) % N] or layout[(rank - s + 1) % N] (the same ring on 2 ranks).
 MISTAKES = ("no diagonal mask", "blocks above the diagonal computed", "sent the other way round",
-            "sum of blocks, not merged")
+            "sum of blocks, not merged", "block labelled one step off")
+LABEL_OFF_BY = (-1, 1)
 
 
 def simulated_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_layout: list[list[int]], causal: bool,
-                   mistake: str | None = None, steps: int | None = None) -> list[torch.Tensor]:
+                   mistake: str | None = None, steps: int | None = None,
+                   label_off: int | None = None) -> list[torch.Tensor]:
     """Every rank's ring-attention output, computed in one process from the whole q, k, v [B, H, S, d].
 
-    mistake: one of MISTAKES, or None for the right answer; steps: stop the ring after this many steps."""
+    mistake: one of MISTAKES, or None for the right answer; steps: stop the ring after this many steps;
+    label_off: for "block labelled one step off", which way (LABEL_OFF_BY; -1, one step behind, by default)."""
+    if mistake == "block labelled one step off":
+        label_off = -1 if label_off is None else label_off
+        if label_off not in LABEL_OFF_BY:
+            raise ValueError(f"label_off must be one of {LABEL_OFF_BY}, not {label_off}")
+    else:
+        label_off = 0
     world_size = len(chunk_layout)
     n_chunks = sum(len(row) for row in chunk_layout)
     seq = q.shape[-2]
@@ -151,7 +162,7 @@ def simulated_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_layo
         for step in range(world_size if steps is None else steps):
             # whose keys arrive at this step, and whose the ring's code takes them for
             holder = (rank + step if mistake == "sent the other way round" else rank - step) % world_size
-            label = (rank - step) % world_size
+            label = (rank - step + label_off) % world_size
             theirs = chunk_layout[label]
             keys = k[..., positions(chunk_layout[holder], seq, n_chunks), :].chunk(len(theirs), dim=-2)
             values = v[..., positions(chunk_layout[holder], seq, n_chunks), :].chunk(len(theirs), dim=-2)
@@ -187,7 +198,9 @@ class CommCounter(TorchDispatchMode):
     dist.all_to_all_single, dist.all_gather_into_tensor... call) and the functional collectives
     (torch.distributed._functional_collectives, what torch's ring attention calls). Each event: the op, the
     bytes handed to it, and `sent`: the bytes that must leave this rank (for an all-gather, this rank's input once
-    for each of the N - 1 others; for an all-to-all, the rows for the other ranks; for a send, the tensor)."""
+    for each of the others; for an all-to-all, the rows for the other ranks; for a send, the tensor). An all-gather's
+    and a reduce-scatter's group size comes from the call (output / input elements, or the functional op's
+    group_size), so calls on a sub-group count right; the others assume `world_size` ranks."""
 
     def __init__(self, rank: int, world_size: int) -> None:
         super().__init__()
@@ -219,13 +232,16 @@ class CommCounter(TorchDispatchMode):
             splits = list(in_splits) if in_splits else [tensor.shape[0] // self.world_size] * self.world_size
             sent = sum(rows for peer, rows in enumerate(splits) if peer != self.rank) * row
             return {"op": "all_to_all", "bytes": _nbytes(tensor), "sent": sent, "splits": splits}
-        if op in ("all_gather_into_tensor", "_allgather_base_"):
-            tensor = args[0] if op == "all_gather_into_tensor" else args[1]
-            return {"op": "all_gather", "bytes": _nbytes(tensor), "sent": others * _nbytes(tensor)}
+        if op in ("all_gather_into_tensor", "_allgather_base_"):  # the group's size from the call itself
+            tensor, size = (args[0], args[1]) if op == "all_gather_into_tensor" else (
+                args[1], args[0].numel() // max(args[1].numel(), 1))
+            return {"op": "all_gather", "bytes": _nbytes(tensor), "sent": (size - 1) * _nbytes(tensor),
+                    "group": size}
         if op in ("reduce_scatter_tensor", "_reduce_scatter_base_"):
-            tensor = args[0] if op == "reduce_scatter_tensor" else args[1]
-            return {"op": "reduce_scatter", "bytes": _nbytes(tensor),
-                    "sent": others * _nbytes(tensor) // self.world_size}
+            tensor, size = (args[0], args[2]) if op == "reduce_scatter_tensor" else (
+                args[1], args[1].numel() // max(args[0].numel(), 1))
+            return {"op": "reduce_scatter", "bytes": _nbytes(tensor), "sent": (size - 1) * _nbytes(tensor) // size,
+                    "group": size}
         if op in ("all_reduce", "allreduce_"):
             tensor = args[0] if op == "all_reduce" else args[0][0]
             return {"op": "all_reduce", "bytes": _nbytes(tensor),
@@ -289,6 +305,17 @@ def build_moe(num_experts: int = NUM_EXPERTS, dim: int = DIM, hidden: int = HIDD
     torch.manual_seed(seed)
     router = nn.Linear(dim, num_experts, bias=False)
     return router, nn.ModuleList(Expert(dim, hidden) for _ in range(num_experts))
+
+
+MOE_TOKENS = 16  # tokens per rank in the lesson's expert-parallel check
+
+
+def moe_tokens(world_size: int, tokens: int = MOE_TOKENS) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Every rank's tokens and output gradients in the expert-parallel check (seed 1): the same lists on every rank
+    and in the notebook, so each can compute the one-process reference."""
+    generator = torch.Generator().manual_seed(1)
+    x = [torch.randn(tokens, DIM, generator=generator) for _ in range(world_size)]
+    return x, [torch.randn(tokens, DIM, generator=generator) for _ in range(world_size)]
 
 
 def route(x: torch.Tensor, router: nn.Linear, top_k: int = TOP_K) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -23,7 +23,11 @@ from helpers.kit import WORKERS
 from helpers.kit.context_experts import block_attention, layout
 from helpers.lessons.checks import correct, each_rank, explain_crash, not_yet
 
-TRUTH, TORCH = 1e-5, 1e-6  # fp32: against one-process attention (the issue's bar), against torch's own ring
+# A float32 ring against one-process attention in float64 (the issue's bar), and against torch's own float32 ring.
+# Both rings are float32 sums of the same terms in different orders; each lands within about 1e-6 of the float64
+# truth here (the check hands back torch's own error, "torch_vs_truth"), so the two can differ by about twice that.
+# 5e-6 leaves room for that and still fails a ring off by more than float32's rounding of values up to ~3 (30 eps).
+TRUTH, TORCH = 1e-5, 5e-6
 SIZES = (2, 4)
 
 
@@ -61,22 +65,33 @@ def load_module(path: str | Path) -> Any:
     return module
 
 
-def _merge_cases() -> list[tuple[str, tuple, tuple]]:
-    """(what, the two blocks' (out, lse, out, lse), the truth (out, lse)) for the merge check."""
+# The merge check's cases: (what, score scale, bar). The truth is attention over all 12 keys in float64, from the same
+# float32 q, k, v. float32 holds a log-sum-exp near 276 only to half its spacing there (2**-15 = 3.1e-5), and that
+# rounding scales both blocks' weights: a right merge's output can be off by that much times |out| (up to ~3.2 here),
+# so the large case's bar is 1e-4; a wrong merge (the mistakes named below) is off by 0.05 or more.
+MERGE_CASES = (("ordinary scores", 1.0, TRUTH), ("large scores (log-sum-exp up to 276)", 80.0, 1e-4))
+
+
+def _merge_cases() -> list[tuple[str, tuple, tuple, float]]:
+    """(what, the two blocks' (out, lse, out, lse) in float32, the truth (out, lse) in float64, the bar)."""
     generator = torch.Generator().manual_seed(0)
     cases = []
-    for what, scale in (("ordinary scores", 1.0), ("large scores (log-sum-exp up to 276)", 80.0)):
+    for what, scale, bar in MERGE_CASES:
         q = torch.randn(1, 2, 5, 8, generator=generator) * scale
         k, v = torch.randn(1, 2, 12, 8, generator=generator), torch.randn(1, 2, 12, 8, generator=generator)
         first = block_attention(q, k[..., :7, :], v[..., :7, :])
         second = block_attention(q, k[..., 7:, :], v[..., 7:, :])
-        cases.append((what, (*first, *second), block_attention(q, k, v)))
+        cases.append((what, (*first, *second), block_attention(q.double(), k.double(), v.double()), bar))
     return cases
+
+
+def _e(bar: float) -> str:
+    return f"{bar:.0e}".replace("e-0", "e-")
 
 
 def merge_problem(merge: Any) -> str | None:
     """The first thing wrong with a learner's merge(out, lse, block_out, block_lse), or None."""
-    for what, blocks, (want_out, want_lse) in _merge_cases():
+    for what, blocks, (want_out, want_lse), bar in _merge_cases():
         try:
             got = merge(*blocks)
         except Exception as error:  # the learner's own code: any error is theirs to see
@@ -91,10 +106,10 @@ def merge_problem(merge: Any) -> str | None:
             return (f"with {what} merge returned inf or nan: exp(lse) overflows float32 above lse = 88 (its largest "
                     "value is 3.4e38); subtract the larger lse before exp, or use torch.logaddexp")
         out_1, lse_1, out_2, lse_2 = blocks
-        if (out - want_out).abs().max() > TRUTH:
-            hint = _merge_hint(out, (out_1, lse_1, out_2, lse_2))
+        if (out.double() - want_out).abs().max() > bar:
+            hint = _merge_hint(out, (out_1, lse_1, out_2, lse_2), bar)
             return f"with {what} the merged output differs from attention over both blocks" + hint
-        if ((lse - want_lse).abs() / want_lse.abs().clamp_min(1)).max() > TRUTH:  # relative: float32 near 276
+        if ((lse.double() - want_lse).abs() / want_lse.abs().clamp_min(1)).max() > TRUTH:  # relative: near 276
             if torch.allclose(lse, torch.maximum(lse_1, lse_2)):
                 return ("the merged output is right but the new lse is the larger of the two: it must be "
                         "log(exp(lse) + exp(block_lse)), what the next block's merge weighs against")
@@ -105,25 +120,50 @@ def merge_problem(merge: Any) -> str | None:
     return None
 
 
-def _merge_hint(out: torch.Tensor, blocks: tuple) -> str:
+def empty_start_problem(merge: Any) -> str | None:
+    """What a merge into an empty start (out = 0, lse = -inf: no key seen yet) gets wrong, or None. Not required by
+    exercise 1 (a ring may start from its first block, as torch's and ours do), but a ring that starts empty needs it:
+    torch's sigmoid form gives lse = -inf - logsigmoid(-inf) = -inf + inf = nan there."""
+    _, (_, _, block_out, block_lse), _, _ = _merge_cases()[0]
+    try:
+        out, lse = merge(torch.zeros_like(block_out), torch.full_like(block_lse, float("-inf")), block_out, block_lse)
+        if torch.allclose(out, block_out) and torch.allclose(lse, block_lse):
+            return None
+        bad = "nan" if (torch.isnan(out).any() or torch.isnan(lse).any()) else "a wrong result"
+    except Exception as error:  # the learner's own code
+        bad = f"{type(error).__name__}: {error}"
+    return (f"merging a block into an empty start (out = 0, lse = -inf) gives {bad}, where it should give the block "
+            "itself: in torch's sigmoid form lse - logsigmoid(lse - block_lse) is -inf + inf = nan when lse = -inf. "
+            "Start each query chunk from its first block's (out, lse) instead, or merge with torch.logaddexp")
+
+
+def _merge_hint(out: torch.Tensor, blocks: tuple, bar: float) -> str:
     out_1, lse_1, out_2, lse_2 = blocks
     if torch.allclose(out, out_2) or torch.allclose(out, out_1):
         return ": it equals one block's output (the other block was dropped)."
-    if torch.allclose(out, (out_1 + out_2) / 2, atol=TRUTH):
+    if torch.allclose(out, (out_1 + out_2) / 2, atol=bar):
         return (": it is the plain average of the two outputs; weigh each by its share of the softmax's "
                 "denominator, exp(lse_i - new_lse).")
-    if torch.allclose(out, out_1 + out_2, atol=TRUTH):
+    if torch.allclose(out, out_1 + out_2, atol=bar):
         return ": it is the sum of the two outputs; weigh each by exp(lse_i - new_lse), which add up to 1."
+    new = torch.logaddexp(lse_1, lse_2).unsqueeze(-1)
+    weight_1, weight_2 = torch.exp(lse_1.unsqueeze(-1) - new), torch.exp(lse_2.unsqueeze(-1) - new)
+    if torch.allclose(out, out_1 + weight_2 * out_2, atol=bar):
+        return (": it is out + exp(block_lse - new_lse) * block_out; the old accumulator out is not rescaled. It was "
+                "a softmax over the old keys only: multiply it by exp(lse - new_lse) too.")
+    if torch.allclose(out, weight_1 * out_1 + out_2, atol=bar):
+        return (": it is exp(lse - new_lse) * out + block_out; the new block's output is not rescaled. Multiply it by "
+                "exp(block_lse - new_lse) too.")
     largest = torch.maximum(lse_1, lse_2).unsqueeze(-1)
     unnormalised = torch.exp(lse_1.unsqueeze(-1) - largest) * out_1 + torch.exp(lse_2.unsqueeze(-1) - largest) * out_2
-    if torch.allclose(out, unnormalised, atol=TRUTH):
+    if torch.allclose(out, unnormalised, atol=bar):
         return (": the weights exp(lse_i - max) do not add up to 1; divide by their sum (equivalently, use "
                 "exp(lse_i - new_lse)).")
     return f" by up to {float((out - _truth_of(blocks)).abs().max()):.2g}."
 
 
 def _truth_of(blocks: tuple) -> torch.Tensor:
-    out_1, lse_1, out_2, lse_2 = blocks
+    out_1, lse_1, out_2, lse_2 = (t.double() for t in blocks)
     new = torch.logaddexp(lse_1, lse_2).unsqueeze(-1)
     return torch.exp(lse_1.unsqueeze(-1) - new) * out_1 + torch.exp(lse_2.unsqueeze(-1) - new) * out_2
 
@@ -163,9 +203,13 @@ def check_merge(path: str | Path) -> bool:
     problem = merge_problem(merge)
     if problem:
         return not_yet(problem)
-    worst = max(float((merge(*blocks)[0] - want[0]).abs().max()) for _, blocks, want in _merge_cases())
-    return correct(f"merge gives attention over both blocks, output and log-sum-exp, for ordinary scores and for "
-                   f"scores whose log-sum-exp reaches 276 (max abs diff {worst:.1g} < {TRUTH:g}).")
+    worst = [float((merge(*blocks)[0].double() - want[0]).abs().max()) for _, blocks, want, _ in _merge_cases()]
+    note = empty_start_problem(merge)
+    return correct(f"merge gives attention over both blocks, output and log-sum-exp, for ordinary scores (max abs diff "
+                   f"{worst[0]:.1g} < {_e(MERGE_CASES[0][2])}) and for scores whose log-sum-exp reaches 276 "
+                   f"({worst[1]:.1g} < {_e(MERGE_CASES[1][2])}, the bar float32's rounding of so large an lse "
+                   "allows)."
+                   + (f" A caution for exercise 2: {note}." if note else ""))
 
 
 # --------------------------------------------------------------------------------------------- exercises 2 and 3
@@ -181,6 +225,10 @@ MISTAKE_ADVICE = {
                                  "labels the blocks that way gives this same output, as does one that labels them "
                                  "(rank + s))"),
     "sum of blocks, not merged": "the sum of the blocks' outputs: merge them by the log-sum-exp rule (exercise 1)",
+    "block labelled one step off": ("a ring that reads the chunk numbers of the block it holds at step s from the "
+                                    "previous or the next step's rank: the block at step s is rank (rank - s) mod N's, "
+                                    "so its chunks are layout[(rank - s) % N], and the causal mask decides by those "
+                                    "numbers which blocks to compute, mask or skip"),
 }
 
 
@@ -188,13 +236,14 @@ def _where(rank: int, kind: str, world_size: int) -> str:
     return f"{world_size} ranks, {kind} layout {layout(kind, world_size)}, rank {rank}"
 
 
-def ring_problem(per_rank: dict[int, dict], causal: bool) -> str | None:
-    """The first thing wrong in one launch's results of one file, as the sentence after "Not yet: ", or None."""
+def ring_problem(per_rank: dict[int, dict], causal: bool, merge_note: str | None = None) -> str | None:
+    """The first thing wrong in one launch's results of one file, as the sentence after "Not yet: ", or None.
+    merge_note: empty_start_problem of the file's merge (what a nan output may come from)."""
     first = per_rank[min(per_rank)]
     if "error" in first:
         return f"the check ran into {first['error']}"
     for kind in first:
-        for find in (lambda got: _output_problem(got, causal), _gradient_problem,  # outputs on every rank first
+        for find in (lambda got: _output_problem(got, causal, merge_note), _gradient_problem,  # outputs first
                      lambda got: _work_problem(got, causal)):
             for rank, graded in sorted(per_rank.items()):
                 problem = find(graded[kind])
@@ -203,7 +252,7 @@ def ring_problem(per_rank: dict[int, dict], causal: bool) -> str | None:
     return None
 
 
-def _output_problem(got: dict, causal: bool) -> str | None:
+def _output_problem(got: dict, causal: bool, merge_note: str | None = None) -> str | None:
     world_size = len(got["layout"])
     want_shape = [1, 2, len(got["rows"]), 8]
     if got["shape"] != want_shape:
@@ -216,8 +265,15 @@ def _output_problem(got: dict, causal: bool) -> str | None:
     if error <= TRUTH:
         return None
     if math.isnan(error):
-        return ("the output holds nan: a block whose every score is masked leaves softmax nothing to divide by. "
-                "Skip blocks whose keys all come after the queries instead of masking them.")
+        if merge_note:  # the merge's own nan comes first: it happens with or without a mask
+            also = (" (With a causal mask a block whose every score is masked gives nan too: skip such blocks.)"
+                    if causal else "")
+            return f"the output holds nan, and your merge gives nan in one case: {merge_note}.{also}"
+        if causal:
+            return ("the output holds nan: a block whose every score is masked leaves softmax nothing to divide by. "
+                    "Skip blocks whose keys all come after the queries instead of masking them.")
+        return ("the output holds nan (there is no mask in this check): look for a 0 / 0, an inf - inf, or a "
+                "tensor used before it was received (torch.empty_like holds whatever was in memory).")
     matches = got["matches"]
     if matches["steps"]:
         seen = "its own chunks only" if matches["steps"] == 1 else f"the blocks of the first {matches['steps']} steps"
@@ -253,6 +309,20 @@ def _gradient_problem(got: dict) -> str | None:
     return None
 
 
+def ring_design(per_rank: dict[int, dict]) -> str:
+    """What moved k and v in the learner's forward, from the calls our CommCounter saw: a ring of point-to-point
+    sends, an all-gather, or an all-to-all."""
+    ops = {e["op"] for graded in per_rank.values() for got in graded.values() for e in got["forward"]["events"]}
+    if "send" in ops:
+        return "a ring: k and v passed on with send/receive, each rank holding two blocks at a time"
+    if "all_gather" in ops:
+        return ("an all-gather, not a ring: every rank gathered every block of k and v and held all N at once "
+                "(it computes the same blocks; section 6 measures what holding them costs)")
+    if "all_to_all" in ops:
+        return "a rotation by all-to-all (torch's \"alltoall\" method): each rank sends its block to the next"
+    return f"no communication our counter recognises (it saw {sorted(ops) or 'none'})"
+
+
 def _work_problem(got: dict, causal: bool) -> str | None:
     need = got["expected"]["blocks"] * got["block_flops"]
     done = got["forward"]["flops"]
@@ -274,6 +344,7 @@ def check_ring(path: str | Path, causal: bool = False, keep: dict | None = None,
     problem = _merge_first(path)
     if problem:
         return Checked(not_yet(problem))
+    merge_note = empty_start_problem(load_module(path).merge)
     results = {}
     what = f"the {'causal ' if causal else ''}ring attention check of {Path(path).name}"
     for nproc in sizes:
@@ -283,7 +354,7 @@ def check_ring(path: str | Path, causal: bool = False, keep: dict | None = None,
         if failed:
             return Checked(not_yet(failed))
         per_rank = {rank: got["graded"][str(Path(path).resolve())] for rank, got in run.results.items()}
-        problem = ring_problem(per_rank, causal)
+        problem = ring_problem(per_rank, causal, merge_note)
         if problem:
             return Checked(not_yet(problem), results)
         results[nproc] = per_rank
@@ -293,9 +364,10 @@ def check_ring(path: str | Path, causal: bool = False, keep: dict | None = None,
                  for n in ("out", "q", "k", "v"))
     checked = Checked(correct(
         f"on {' and '.join(map(str, sizes))} ranks, contiguous and balanced layouts{', causal' if causal else ''}: "
-        f"every rank's output and dq, dk, dv equal one-process attention (max abs diff {truth:.1g} < "
+        f"every rank's output and dq, dk, dv equal one-process attention in float64 (max abs diff {truth:.1g} < "
         f"{TRUTH:g}) and torch's own ring attention (max abs diff {theirs:.1g} < {TORCH:g}); each rank's forward "
-        f"computed only the blocks it needs."), results, str(Path(path).resolve()))
+        f"computed only the blocks it needs. Your design: {ring_design(results[max(results)])}."),
+        results, str(Path(path).resolve()))
     if keep is not None:
         keep["causal" if causal else "ring"] = checked
     return checked
@@ -316,7 +388,7 @@ def moe_problem(per_rank: dict[int, dict]) -> str | None:
     """The first thing wrong in one launch's results of one MoE file, or None."""
     first = per_rank[min(per_rank)]
     if "error" in first:
-        return f"the check ran into {first['error']}"
+        return moe_crash_advice(f"the check ran into {first['error']}")
     for factor in first:
         for rank, graded in sorted(per_rank.items()):
             got = graded[factor]
@@ -354,6 +426,14 @@ def _moe_output_problem(got: dict) -> str | None:
     if "unweighted" in got["matches"]:
         return ("the output equals the experts' outputs added without the router's weights: multiply each by its "
                 "weight.")
+    if "gate applied twice" in got["matches"]:
+        return ("the output equals a layer that applies the router's weight twice: to the rows before the experts "
+                "and to their results again. Apply it once; this layer weights the experts' results (torchtitan's "
+                "score_before_experts=True weights the rows instead: a different layer).")
+    if "gate before the experts" in got["matches"]:
+        return ("the output equals a layer that weights the rows before the experts (torchtitan's "
+                "score_before_experts=True): a different layer, since an expert is not linear. This one weights the "
+                "experts' results.")
     return f"the output differs from the one-process layer by up to {got['out']:.2g} (more than {TRUTH:g})."
 
 
@@ -370,6 +450,21 @@ def _moe_gradient_problem(got: dict) -> str | None:
     return None
 
 
+def moe_crash_advice(failed: str) -> str:
+    """A crash message of the MoE check, with what the two errors of an uneven all-to-all usually mean."""
+    if "expected size" in failed:  # gloo's size check, in an all-to-all with uneven splits
+        failed += (" In an uneven all-to-all, each rank must be told how many rows every peer sends it: exchange "
+                   "the counts first (dist.all_to_all_single of the counts), and pass them as output_split_sizes. "
+                   "(gloo checks the sizes; NCCL does not: with counts that disagree it reads or writes the wrong "
+                   "rows, or waits for rows that never come.)")
+    elif "Split sizes doesn't match total dim 0 size" in failed:  # torch's own check of input_split_sizes
+        failed += (" An all-to-all's input_split_sizes must add up to the rows of the tensor it sends. If this is "
+                   "the way back: the results travel back to where their rows came from, so the return trip takes "
+                   "the dispatch's splits swapped (output_split_sizes = what you sent, input_split_sizes = what you "
+                   "received).")
+    return failed
+
+
 def check_moe(path: str | Path, keep: dict | None = None, timeout: float = 60,
               sizes: tuple[int, ...] = SIZES) -> Checked:
     """Exercise 4: the learner's ExpertParallelMoE on 2 and then 4 ranks, with and without a capacity factor."""
@@ -378,9 +473,8 @@ def check_moe(path: str | Path, keep: dict | None = None, timeout: float = 60,
         print(f"Checking on {nproc} ranks...", flush=True)
         run, failed = _launch("experts_check.py", nproc, ["--impl", str(Path(path).resolve())], timeout,
                               f"the expert-parallel check of {Path(path).name}")
-        if failed and "expected size" in failed:  # gloo's size check, in an all-to-all with uneven splits
-            failed += (" In an uneven all-to-all, each rank must be told how many rows every peer sends it: exchange "
-                       "the counts first (dist.all_to_all_single of the counts), and pass them as output_split_sizes.")
+        if failed:
+            failed = moe_crash_advice(failed)
         if failed:
             return Checked(not_yet(failed))
         per_rank = {rank: got["graded"][str(Path(path).resolve())] for rank, got in run.results.items()}
@@ -402,6 +496,88 @@ def check_moe(path: str | Path, keep: dict | None = None, timeout: float = 60,
     return checked
 
 
+# --------------------------------------------------------------------------------------------- the planner, checked
+
+
+class _DenseAndExperts(torch.nn.Module):
+    """A stand-in for one rank's weights: dense layers every rank of the model replica holds, and this rank's experts
+    (every expert runs on every row: what FSDP gathers and reduces does not depend on the routing)."""
+
+    def __init__(self, width: int, dense_layers: int, local_experts: int) -> None:
+        super().__init__()
+        self.dense = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False, dtype=torch.bfloat16)
+                                           for _ in range(dense_layers)])
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(width, width, bias=False, dtype=torch.bfloat16)
+                                           for _ in range(local_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.dense(x)
+        return h + sum(expert(h) for expert in self.experts)
+
+
+def fsdp_held_and_sent(dp: int, cp: int, ep: int, width: int = 64, dense_layers: int = 2,
+                       num_experts: int = 4) -> dict[str, Any]:
+    """Torch's own accounting of the layout our planner assumes, for rank 0 of dp x cp simulated ranks (lesson 11's
+    fake backend: every collective returns at once and moves no data). fully_shard (FSDP2, ZeRO-3) shards the dense
+    layers over all dp x cp ranks, which hold the same dense weights, and each of this rank's num_experts / ep experts
+    over the dp x cp / ep ranks that hold the same experts (torchtitan's fsdp and efsdp mesh dimensions). One bf16
+    forward and backward; returns the parameters in the model, the bytes of the parameter and gradient shards rank 0
+    holds, and the bytes it sends, from the arguments of the all-gathers and reduce-scatters FSDP2 called
+    (helpers.kit.context_experts.CommCounter, each with its own group's size)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from helpers.kit.context_experts import CommCounter
+    from helpers.lessons.scale import simulated_world
+
+    world = dp * cp
+    if world % ep or num_experts % ep:
+        raise ValueError(f"ep = {ep} must divide dp x cp = {world} and the {num_experts} experts")
+    with simulated_world(world, rank=0):
+        everyone = init_device_mesh("cpu", (world,))
+        sparse = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
+        model = _DenseAndExperts(width, dense_layers, num_experts // ep)
+        for expert in model.experts:
+            fully_shard(expert, mesh=sparse["efsdp"])
+        fully_shard(model.dense, mesh=everyone)
+        fully_shard(model, mesh=everyone)
+        counter = CommCounter(0, world)
+        with counter:
+            model(torch.ones(2, width, dtype=torch.bfloat16)).float().sum().backward()
+        events = counter.take()
+        params = list(model.parameters())
+        return {"n_params": (dense_layers + num_experts) * width * width,
+                "expert_params": num_experts * width * width,
+                "weights": sum(p.to_local().numel() * p.to_local().element_size() for p in params),
+                "gradients": sum(p.grad.to_local().numel() * p.grad.to_local().element_size() for p in params),
+                "sent": sum(e["sent"] for e in events),
+                "calls": sorted({(e["op"], e["group"]) for e in events})}
+
+
+PLANNER_LAYOUTS = ((4, 1, 1), (2, 2, 1), (1, 2, 1), (4, 1, 2), (2, 2, 4))  # (dp, cp, ep)
+
+
+def planner_against_fsdp(layouts: tuple[tuple[int, int, int], ...] = PLANNER_LAYOUTS) -> list[dict[str, Any]]:
+    """For each (dp, cp, ep): what rank 0 held and sent under FSDP2 (fsdp_held_and_sent) beside our planner's ZeRO-3
+    fp16 weights, fp16 gradients and dp traffic for the same parameters. Prints a table; returns its rows."""
+    from helpers.lessons.scale import plan
+
+    rows = []
+    print(f"{'dp':>3} {'cp':>3} {'ep':>3} | {'weights held: FSDP2':>19} {'planner':>8} | {'gradients: FSDP2':>16} "
+          f"{'planner':>8} | {'sent: FSDP2':>11} {'planner':>8} | FSDP2's calls (op, group size)")
+    for dp, cp, ep in layouts:
+        got = fsdp_held_and_sent(dp, cp, ep)
+        planned = plan(got["n_params"], dp, cp=cp, ep=ep, expert_params=got["expert_params"], stage="ZeRO-3")
+        row = {"layout": (dp, cp, ep), **got, "planned": {"weights": planned["memory"]["fp16 weights"],
+                                                          "gradients": planned["memory"]["fp16 gradients"],
+                                                          "sent": planned["traffic"]["dp"]}}
+        rows.append(row)
+        print(f"{dp:>3} {cp:>3} {ep:>3} | {got['weights']:>19,} {row['planned']['weights']:>8,.0f} | "
+              f"{got['gradients']:>16,} {row['planned']['gradients']:>8,.0f} | {got['sent']:>11,} "
+              f"{row['planned']['sent']:>8,.0f} | {', '.join(f'{op} {n}' for op, n in got['calls'])}")
+    return rows
+
+
 # --------------------------------------------------------------------------------------------- for the tests
 
 
@@ -416,7 +592,10 @@ def grade_many(kind: str, paths: list[str | Path], nproc: int, causal: bool = Fa
     verdicts = {}
     for file in files:
         per_rank = {rank: got["graded"][file] for rank, got in run.results.items()}
-        verdicts[file] = ring_problem(per_rank, causal) if kind == "ring" else moe_problem(per_rank)
+        if kind == "ring":
+            verdicts[file] = ring_problem(per_rank, causal, empty_start_problem(load_module(file).merge))
+        else:
+            verdicts[file] = moe_problem(per_rank)
     return verdicts
 
 
@@ -569,43 +748,67 @@ def saved_figure(saved: dict[str, list[int]]) -> Any:
 
 
 def memory_report(run: Any) -> list[dict[str, Any]]:
-    """context_memory.py on rank 0: peak tensor bytes and bytes sent by torch's ring attention with either rotation,
-    beside one process holding the whole sequence, and beside our planner's formula for the bytes."""
+    """context_memory.py on rank 0: peak tensor bytes of torch's ring attention on 2 and on 4 ranks, both rotations,
+    beside one process holding the whole sequence (float32); then the bytes each rotation sent, in float32 and in
+    bfloat16, beside our planner's formula (ring_attention_bytes)."""
     from helpers.lessons.scale import ring_attention_bytes
 
     got = run.results[0]
-    world_size, hidden = len(run.results), got["heads"] * got["head_dim"]
-    print(f"torch's ring attention, forward + backward, no mask, fp32, rank 0 of {world_size} ('kv': the bytes of "
-          "its own keys and values):")
-    print(f"{'tokens':>7} {'kv':>7} | {'peak bytes: one process':>23} {'all-gather':>11} {'all-to-all':>11} "
-          f"{'difference':>17} | {'sent: all-gather':>16} {'all-to-all':>11} {'formula':>8}")
-    for row in got["rows"]:
-        gather, ring = row["torch allgather"], row["torch alltoall"]
-        formula = ring_attention_bytes(row["seq"], hidden, world_size, bytes_per_value=4)
-        extra = gather["peak"] - ring["peak"]
-        print(f"{row['seq']:>7} {row['kv_bytes']:>7} | {row['one process']['peak']:>23} {gather['peak']:>11} "
-              f"{ring['peak']:>11} {extra:>8} = {extra / row['kv_bytes']:.1f} kv | {gather['sent']:>16} "
-              f"{ring['sent']:>11} {formula:>8.0f}")
-    last = got["rows"][-1]
+    hidden, sizes, rows = got["heads"] * got["head_dim"], got["sizes"], got["rows"]
+    print("torch's ring attention, forward + backward, no mask, rank 0. Peak bytes in tensors, float32 ('q': one of "
+          "its own q-sized tensors, S / N tokens):")
+    print(f"{'tokens':>7} {'one process':>12} | " + " | ".join(
+        f"N={n}: {'all-to-all':>10} {'all-gather':>10} {'one process / all-to-all':>24}" for n in sizes))
+    for row in rows:
+        whole = row["one process"]["peak"]
+        parts = []
+        for n in sizes:
+            ring, gather = row[f"N={n} float32 alltoall"], row[f"N={n} float32 allgather"]
+            parts.append(f"N={n}: {ring['peak']:>10} {gather['peak']:>10} {whole / ring['peak']:>24.2f}")
+        print(f"{row['seq']:>7} {whole:>12} | " + " | ".join(parts))
+    last = rows[-1]
+    q_bytes = {n: last[f"N={n} float32 alltoall"]["kv_bytes"] / 2 for n in sizes}
+    held = {n: last[f"N={n} float32 alltoall"]["peak"] / q_bytes[n] for n in sizes}
+    extra = {n: (last[f"N={n} float32 allgather"]["peak"] - last[f"N={n} float32 alltoall"]["peak"]) / (2 * q_bytes[n])
+             for n in sizes}
+    whole = last["one process"]["peak"] / (q_bytes[sizes[0]] * sizes[0])
+    print(f"In q-sized tensors at {last['seq']} tokens: one process peaks at {whole:.1f} whole-sequence tensors; a "
+          "ring rank (all-to-all) at " + ", ".join(f"{held[n]:.1f} of its own (N={n})" for n in sizes)
+          + "; the all-gather holds " + ", ".join(f"{extra[n]:.1f} kv more (N={n})" for n in sizes) + ".")
+    print("Bytes rank 0 sent per forward + backward (our CommCounter), in units of its own k and v ('kv'), at every "
+          "length:")
+    for dtype, size in (("float32", 4), ("bfloat16", 2)):
+        for n in sizes:
+            sent = {method: [row[f"N={n} {dtype} {method}"]["sent"] for row in rows] for method in ("allgather",
+                                                                                                  "alltoall")}
+            units = {row[f"N={n} {dtype} alltoall"]["sent"] / row[f"N={n} {dtype} alltoall"]["kv_bytes"]
+                     for row in rows}
+            formula = [ring_attention_bytes(row["seq"], hidden, n, bytes_per_value=size) for row in rows]
+            same = "the same" if sent["allgather"] == sent["alltoall"] else f"{sent['allgather']}"
+            print(f"  {dtype:<8} N={n}: all-to-all {sent['alltoall']}, all-gather {same}; "
+                  f"{' '.join(f'{u:.1f}' for u in sorted(units))} kv; formula {[round(f) for f in formula]}")
     for method in ("allgather", "alltoall"):
-        print(f"CommDebugMode's count, {method}, {last['seq']} tokens: {last['torch ' + method]['debug_counts']}")
-    return got["rows"]
+        print(f"CommDebugMode's count, {method}, N={sizes[-1]}, {last['seq']} tokens: "
+              f"{last[f'N={sizes[-1]} float32 {method}']['debug_counts']}")
+    return rows
 
 
 def memory_figure(run: Any) -> Any:
-    """Peak tensor bytes per rank against the sequence length: one process, and a rank of torch's ring (both
-    rotations)."""
+    """Peak tensor bytes on rank 0 against the sequence length: one process, and a rank of torch's ring (float32) on
+    2 and on 4 ranks."""
     import matplotlib.pyplot as plt
 
-    rows = run.results[0]["rows"]
+    got = run.results[0]
+    rows = got["rows"]
     seqs = [row["seq"] for row in rows]
     fig, ax = plt.subplots(figsize=(6.4, 3.4), dpi=80, layout="constrained")
-    ax.plot(seqs, [row["one process"]["peak"] / 2**20 for row in rows], "o-", label="one process, whole sequence")
-    for method, marker in (("allgather", "s-"), ("alltoall", "^-")):
-        ax.plot(seqs, [row[f"torch {method}"]["peak"] / 2**20 for row in rows], marker,
-                label=f"one rank of {len(run.results)}, torch's ring, {method}")
+    ax.plot(seqs, [row["one process"]["peak"] / 2**20 for row in rows], "ko-", label="one process, whole sequence")
+    for n, colour in zip(got["sizes"], ("tab:orange", "tab:blue"), strict=False):
+        for method, style in (("alltoall", "^-"), ("allgather", "s--")):
+            ax.plot(seqs, [row[f"N={n} float32 {method}"]["peak"] / 2**20 for row in rows], style, color=colour,
+                    label=f"one rank of {n}, torch's ring, {method}")
     ax.set(xlabel="tokens in the sequence", ylabel="peak MiB in tensors", xscale="log", yscale="log",
-           title="attention forward + backward: peak tensor memory (MemTracker)")
+           title="attention forward + backward, float32: peak tensor memory (MemTracker)")
     ax.set_xticks(seqs, [str(s) for s in seqs])
     ax.legend(fontsize=8)
     return fig
@@ -652,6 +855,57 @@ def dispatch_figure(checked: Checked | None, world_size: int = 4) -> Any:
     fig.suptitle(f"{world_size} ranks, 16 tokens each, top-2 of 4 experts (one expert per rank): rows per pair, "
                  "from the run's split sizes", fontsize=10)
     return fig
+
+
+def routing_against_splits(checked: Checked | None, world_size: int = 2, trials: int = 20000) -> dict[str, Any]:
+    """The dispatch all-to-all's split sizes in the MoE check run (capacity factor None) beside the rows the router
+    sends, computed here from the same router and tokens: rank r must send to rank d the (token, choice) pairs whose
+    expert lives on d, and the combine must send back what it received (the transposed matrix). Then how many rows
+    left each rank for the others, beside an even random router's spread (each token two different experts, all
+    equally likely; `trials` draws in this process, seed 0): the middle 95 % of its counts."""
+    from helpers.kit.context_experts import MOE_TOKENS, NUM_EXPERTS, TOP_K, build_moe, moe_tokens, route
+
+    if not checked:
+        print("(no results yet: the MoE check has not passed)")
+        return {}
+    router, _ = build_moe()
+    groups, _ = moe_tokens(world_size)
+    local = NUM_EXPERTS // world_size
+    with torch.no_grad():
+        owners = [route(x, router)[0] // local for x in groups]
+    routed = [[int((owner == dest).sum()) for dest in range(world_size)] for owner in owners]
+    calls = {rank: [e for e in got["None"]["forward"] if e["op"] == "all_to_all"][1:]  # the first: the counts
+             for rank, got in checked.results[world_size].items()}
+    dispatch = [calls[rank][0]["splits"] for rank in range(world_size)]
+    combine = [calls[rank][1]["splits"] for rank in range(world_size)]
+    back = [[routed[source][rank] for source in range(world_size)] for rank in range(world_size)]
+    print(f"{world_size} ranks, rows from rank (row) to rank (column):\n  routed here, from the router: {routed}\n"
+          f"  dispatch split sizes in the run: {dispatch}\n  combine split sizes in the run: {combine} (routed, "
+          f"transposed: {back})")
+    generator = torch.Generator().manual_seed(0)
+    draws = torch.rand(trials, MOE_TOKENS, NUM_EXPERTS, generator=generator).argsort(dim=-1)[..., :TOP_K]
+    remote_even = ((draws // local) != 0).sum(dim=(1, 2)).float()  # rank 0's view; every rank's is the same
+    low, high = (int(v) for v in torch.quantile(remote_even, torch.tensor([0.025, 0.975])))
+    remote = [sum(n for dest, n in enumerate(row) if dest != rank) for rank, row in enumerate(routed)]
+    inside = all(low <= n <= high for n in remote)
+    print(f"Rows each rank sent to the others: {remote}, of {MOE_TOKENS * TOP_K}; an even random router sends "
+          f"{remote_even.mean():.1f} on average, {low} to {high} in 95 % of {trials} draws: "
+          + ("inside that spread, so 16 tokens cannot tell this router from an even one." if inside else
+             "outside that spread: this router is uneven."))
+    return {"routed": routed, "dispatch": dispatch, "combine": combine, "back": back, "remote": remote,
+            "even": (low, high), "inside": inside}
+
+
+def aux_loss_examples() -> dict[str, float]:
+    """Switch's auxiliary loss (switch_aux_loss, 4 experts, top-2) for an even routing and for an uneven one: 60 tokens
+    with probabilities [.26, .25, .25, .24] routed to experts 0 and 1, 40 with [0, 0, .5, .5] routed to 2 and 3 (a
+    fresh reader's example): shares [.3, .3, .2, .2]."""
+    from helpers.kit.context_experts import switch_aux_loss
+
+    even = switch_aux_loss(torch.full((100, 4), 0.25), torch.tensor([[0, 1], [2, 3]] * 50), 4)
+    probabilities = torch.tensor([[0.26, 0.25, 0.25, 0.24]] * 60 + [[0.0, 0.0, 0.5, 0.5]] * 40)
+    chosen = torch.tensor([[0, 1]] * 60 + [[2, 3]] * 40)
+    return {"even": float(even), "uneven": float(switch_aux_loss(probabilities, chosen, 4))}
 
 
 def aux_loss_history(alpha: float, steps: int = 100, seed: int = 0) -> list[list[float]]:
@@ -725,8 +979,10 @@ def closing_note(runs: dict, memory_rows: list[dict] | None = None) -> None:
             print(f"causal, 4 ranks, {kind}: score blocks per rank {blocks} (a block: {rows} queries x {rows} keys)")
     if memory_rows:
         row = memory_rows[-1]
-        print(f"ring bytes sent per rank, {row['seq']} tokens on 4 ranks: all-gather {row['torch allgather']['sent']}, "
-              f"all-to-all {row['torch alltoall']['sent']}, formula (3N - 2) x kv = {10 * row['kv_bytes']}")
+        for dtype, rule in (("float32", "(3N - 2) x kv"), ("bfloat16", "(4N - 2) x kv, the gradients in float32")):
+            ring = row[f"N=4 {dtype} alltoall"]
+            print(f"ring bytes sent per rank, {row['seq']} tokens on 4 ranks, {dtype}: {ring['sent']} = "
+                  f"{ring['sent'] / ring['kv_bytes']:g} x kv ({rule})")
     if runs.get("moe"):
         moe = runs["moe"].results
         worst = max(g[n] for r in moe.values() for by_factor in r.values() for g in by_factor.values()

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor.experimental._context_parallel import _attention as torch_ring
 
 from helpers.kit.context_experts import (
+    LABEL_OFF_BY,
     LAYOUTS,
     MISTAKES,
     CommCounter,
@@ -58,14 +59,16 @@ def data(world_size: int) -> dict[str, torch.Tensor]:
     return {name: torch.randn(shape, generator=generator) for name in ("q", "k", "v", "grad_out")}
 
 
-def attention_rows(full: dict, rows: torch.Tensor, causal: bool) -> dict[str, torch.Tensor]:
+def attention_rows(full: dict, rows: torch.Tensor, causal: bool,
+                   dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
     """Attention of the queries at `rows` over every key (a causal mask by sequence position): the output and the
-    gradients its output gradient gives to q (those rows), k and v (every row)."""
-    q, k, v = (full[n].clone().requires_grad_() for n in ("q", "k", "v"))
+    gradients its output gradient gives to q (those rows), k and v (every row). In float64 by default, from the same
+    float32 inputs: the truth, with float32's rounding (about 1e-7 of each value) left to the ring under test."""
+    q, k, v = (full[n].to(dtype).requires_grad_() for n in ("q", "k", "v"))
     seq = q.shape[2]
     mask = None if not causal else (rows.unsqueeze(1) >= torch.arange(seq).unsqueeze(0))
     out = F.scaled_dot_product_attention(q[:, :, rows], k, v, attn_mask=mask)
-    out.backward(full["grad_out"][:, :, rows])
+    out.backward(full["grad_out"][:, :, rows].to(dtype))
     return {"out": out.detach(), "q": q.grad[:, :, rows], "k": k.grad, "v": v.grad}
 
 
@@ -90,7 +93,7 @@ def torch_ring_attention(local: dict, causal: bool, balanced: bool) -> dict[str,
 def largest(a: torch.Tensor, b: torch.Tensor) -> float:
     if not isinstance(a, torch.Tensor) or a.shape != b.shape:
         return float("inf")
-    return float((a - b).abs().max()) if not torch.isnan(a).any() else float("nan")
+    return float((a.double() - b.double()).abs().max()) if not torch.isnan(a).any() else float("nan")
 
 
 def run_learner(module, local: dict, chunk_layout: list, causal: bool, rank: int, world_size: int) -> dict:
@@ -147,8 +150,10 @@ def diagnose(got: dict, full: dict, chunk_layout: list, causal: bool, rank: int,
     world_size = len(chunk_layout)
     q, k, v = full["q"], full["k"], full["v"]
     for mistake in MISTAKES:
-        if largest(out, simulated_ring(q, k, v, chunk_layout, causal, mistake)[rank]) < MATCH:
-            found["mistakes"].append(mistake)
+        for label_off in (LABEL_OFF_BY if mistake == "block labelled one step off" else (None,)):
+            if largest(out, simulated_ring(q, k, v, chunk_layout, causal, mistake, label_off=label_off)[rank]) < MATCH:
+                found["mistakes"].append(mistake)
+                break
     for steps in range(1, world_size):
         if largest(out, simulated_ring(q, k, v, chunk_layout, causal, steps=steps)[rank]) < MATCH:
             found["steps"] = steps

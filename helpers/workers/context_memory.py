@@ -3,14 +3,17 @@ rotated by all-gather (torch's default) or by all-to-all (a ring), against one p
 
     torchrun --standalone --nproc-per-node 4 helpers/workers/context_memory.py --seqs 256 512 1024
 
-For each total sequence length S, every rank takes its contiguous S / N positions of q, k, v [1, heads, S, head_dim]
-(fp32) and runs torch's ring attention forward and backward (no mask; `_templated_ring_attention` with the CPU flash
-op, what context_parallel runs), once per rotation method (set_rotate_method), measuring:
+For each total sequence length S, the ring runs on all N ranks and again on a group of ranks 0 and 1 (N = 2; the
+others wait at a barrier), in float32 and in bfloat16. Each rank of a ring takes its contiguous S / N positions of
+q, k, v [1, heads, S, head_dim] and runs torch's ring attention forward and backward (no mask;
+`_templated_ring_attention` with the CPU flash op, what context_parallel runs), once per rotation method
+(set_rotate_method), measuring:
 - peak: the largest number of bytes in tensors alive at once during the call, by torch's MemTracker
   (torch.distributed._tools.mem_tracker; it sees tensors, not the scratch memory inside a C++ kernel);
 - traffic: every collective and point-to-point op the dispatcher saw (helpers.kit.context_experts.CommCounter), and
   torch's own CommDebugMode's count of the collectives it recognises.
-Rank 0 also measures one process with the whole sequence: F.scaled_dot_product_attention forward and backward.
+Rank 0 also measures one process with the whole sequence (float32): F.scaled_dot_product_attention forward and
+backward. Rank 0's results: rows[i]["N=4 float32 alltoall"] and so on, and rows[i]["one process"].
 """
 import argparse
 
@@ -28,17 +31,20 @@ from helpers.kit.reporting import progress, result
 
 CPU_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 CPU_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+METHODS = ("allgather", "alltoall")
 
 
-def inputs(seq: int, heads: int, head_dim: int, rows: slice) -> list[torch.Tensor]:
+def inputs(seq: int, heads: int, head_dim: int, rows: slice, dtype: torch.dtype = torch.float32) -> list:
     generator = torch.Generator().manual_seed(0)
-    return [torch.randn(1, heads, seq, head_dim, generator=generator)[:, :, rows].contiguous() for _ in range(4)]
+    return [torch.randn(1, heads, seq, head_dim, generator=generator)[:, :, rows].to(dtype).contiguous()
+            for _ in range(4)]
 
 
-def torch_ring_step(q, k, v, grad) -> None:
-    out, lse, *_ = torch_ring._templated_ring_attention(dist.group.WORLD, 2, CPU_FLASH, q, k, v, is_causal=False)
-    torch_ring._templated_ring_attention_backward(dist.group.WORLD, 2, CPU_FLASH_BACKWARD, grad, "grad_out", q, k, v,
-                                                  out, lse, is_causal=False, dropout_p=0.0)
+def torch_ring_step(group, q, k, v, grad) -> None:
+    out, lse, *_ = torch_ring._templated_ring_attention(group, 2, CPU_FLASH, q, k, v, is_causal=False)
+    torch_ring._templated_ring_attention_backward(group, 2, CPU_FLASH_BACKWARD, grad, "grad_out", q, k, v, out, lse,
+                                                  is_causal=False, dropout_p=0.0)
 
 
 def one_process_step(q, k, v, grad) -> None:
@@ -66,22 +72,31 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=16)
     args = parser.parse_args()
     rank, world_size, _ = init_distributed("gloo")  # CPU tensors and the CPU flash op: gloo on any machine
+    pair = dist.new_group([0, 1])  # every rank must call new_group; only ranks 0 and 1 use it
+    groups = {world_size: dist.group.WORLD, 2: pair} if world_size > 2 else {world_size: dist.group.WORLD}
     torch_ring._cp_options.enable_load_balance = False  # contiguous chunks, no mask
     rows = []
     for done, seq in enumerate(args.seqs):
-        share = seq // world_size
-        local = inputs(seq, args.heads, args.head_dim, slice(rank * share, (rank + 1) * share))
-        row = {"seq": seq, "local_tokens": share, "kv_bytes": 2 * local[1].numel() * local[1].element_size()}
-        for method in ("allgather", "alltoall"):
-            set_rotate_method(method)
-            row[f"torch {method}"] = measure(torch_ring_step, local, rank, world_size)
+        row = {"seq": seq}
+        for n, group in groups.items():
+            if rank < n:
+                share = seq // n
+                for name, dtype in DTYPES.items():
+                    local = inputs(seq, args.heads, args.head_dim, slice(rank * share, (rank + 1) * share), dtype)
+                    kv_bytes = 2 * local[1].numel() * local[1].element_size()
+                    for method in METHODS:
+                        set_rotate_method(method)
+                        row[f"N={n} {name} {method}"] = {
+                            **measure(lambda *t, group=group: torch_ring_step(group, *t), local, rank, n),
+                            "kv_bytes": kv_bytes, "local_tokens": share, "ranks": n}
+            dist.barrier()
         if rank == 0:
             row["one process"] = measure(one_process_step, inputs(seq, args.heads, args.head_dim, slice(None)), 0, 1)
         rows.append(row)
         progress(done + 1, len(args.seqs))
     set_rotate_method("allgather")  # torch's defaults
     torch_ring._cp_options.enable_load_balance = True
-    result(rows=rows, heads=args.heads, head_dim=args.head_dim)
+    result(rows=rows, heads=args.heads, head_dim=args.head_dim, sizes=sorted(groups))
     dist.destroy_process_group()
 
 

@@ -23,20 +23,21 @@ import torch
 import torch.distributed as dist
 
 from helpers.kit.context_experts import (
-    DIM,
+    MOE_TOKENS,
     NUM_EXPERTS,
     TOP_K,
     CommCounter,
     build_moe,
     capacity,
     capacity_keep,
+    moe_tokens,
     reference_moe,
     route,
 )
 from helpers.kit.distributed import init_distributed
 from helpers.kit.reporting import result
 
-TOKENS = 16
+TOKENS = MOE_TOKENS
 CAPACITY_FACTORS = (None, 1.0)
 MATCH = 1e-5
 
@@ -49,17 +50,10 @@ def load(impl: str):
     return module.ExpertParallelMoE
 
 
-def tokens(world_size: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Every rank's tokens and output gradients (the same on every rank, so each can compute the reference)."""
-    generator = torch.Generator().manual_seed(1)
-    x = [torch.randn(TOKENS, DIM, generator=generator) for _ in range(world_size)]
-    return x, [torch.randn(TOKENS, DIM, generator=generator) for _ in range(world_size)]
-
-
 def reference(capacity_factor, rank: int, world_size: int) -> dict:
     """The one-process layer: outputs, kept, and the gradients each rank should end with."""
     router, experts = build_moe()
-    groups, grads = tokens(world_size)
+    groups, grads = moe_tokens(world_size)
     groups = [g.clone().requires_grad_() for g in groups]
     outputs, kept = reference_moe(groups, router, experts, TOP_K, capacity_factor)
     sum((o * g).sum() for o, g in zip(outputs, grads, strict=True)).backward()
@@ -74,7 +68,7 @@ def reference(capacity_factor, rank: int, world_size: int) -> dict:
 def wrong_layers(capacity_factor, rank: int, world_size: int) -> dict[str, torch.Tensor]:
     """This rank's output from layers a learner might build by mistake, in one process."""
     router, experts = build_moe()
-    groups, _ = tokens(world_size)
+    groups, _ = moe_tokens(world_size)
     x = groups[rank]
     local = NUM_EXPERTS // world_size
     # a rank that sends expert e's tokens to rank e % N, whose local expert e // N runs them
@@ -93,6 +87,13 @@ def wrong_layers(capacity_factor, rank: int, world_size: int) -> dict[str, torch
         token, slot = torch.nonzero((chosen == e) & keep, as_tuple=True)
         own = own.index_add(0, token, weights[token, slot].unsqueeze(-1) * experts[e](x[token]))
     layers["own experts only"] = own
+    twice, before = torch.zeros_like(x), torch.zeros_like(x)  # the router's weight on the rows before the experts
+    for e, expert in enumerate(experts):
+        token, slot = torch.nonzero((chosen == e) & keep, as_tuple=True)
+        gate = weights[token, slot].unsqueeze(-1)
+        twice = twice.index_add(0, token, gate * expert(gate * x[token]))  # ... and on their results again
+        before = before.index_add(0, token, expert(gate * x[token]))  # ... and not on their results
+    layers["gate applied twice"], layers["gate before the experts"] = twice, before
     return {name: out.detach() for name, out in layers.items()}
 
 
@@ -107,7 +108,7 @@ def grade(cls, capacity_factor, rank: int, world_size: int) -> dict:
     router, experts = build_moe()
     local = NUM_EXPERTS // world_size
     mine = copy.deepcopy(experts[rank * local:(rank + 1) * local])
-    groups, grads = tokens(world_size)
+    groups, grads = moe_tokens(world_size)
     x = groups[rank].clone().requires_grad_()
     layer = cls(router, mine, NUM_EXPERTS, TOP_K, capacity_factor)
     comms = CommCounter(rank, world_size)
