@@ -106,6 +106,17 @@ CAUSAL_MUTANTS = {
           "            theirs = ctx.layout[(rank - step - 1) % world_size]")],
         "the output equals a ring that reads the chunk numbers of the block it holds at step s from the previous or "
         "the next step's rank"),
+    "ignores causal: exercise 2's ring unchanged (a walkthrough's learner)": (
+        [("def needed(mine, theirs, causal):\n", "def needed(mine, theirs, causal):\n    causal = False\n")],
+        "the output equals attention without any mask: causal=True is ignored"),
+    "masks the blocks above the diagonal with the triangle (a walkthrough's learner)": (
+        [("            elif b == a:\n                yield i, j, True",
+          "            else:\n                yield i, j, True")],
+        "the output equals a ring that computes the blocks above the diagonal with the triangular mask"),
+    "a backward without the causal rule (a walkthrough's learner)": (
+        [("            for i, j, diagonal in needed(mine, theirs, ctx.causal):",
+          "            for i, j, diagonal in needed(mine, theirs, False):")],
+        "With causal=True the backward must follow the forward's rule"),
     "sums the blocks' outputs instead of merging": (  # a merge that passes exercise 1 is not called: sums inline
         [("                    outs[i], lses[i] = merge(outs[i], lses[i], block_out, block_lse)",
           "                    outs[i], lses[i] = outs[i] + block_out, torch.logaddexp(lses[i], block_lse)")],

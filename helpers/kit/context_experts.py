@@ -139,7 +139,8 @@ def block_flops(batch: int, heads: int, rows: int, head_dim: int) -> int:
 # "block labelled one step off": the block that arrives at step s is rank (rank - s)'s, but the code reads its chunk
 # numbers from layout[(rank - s - 1) % N] or layout[(rank - s + 1) % N] (the same ring on 2 ranks).
 MISTAKES = ("no diagonal mask", "blocks above the diagonal computed", "sent the other way round",
-            "sum of blocks, not merged", "block labelled one step off")
+            "sum of blocks, not merged", "block labelled one step off", "causal ignored",
+            "blocks above the diagonal masked")
 LABEL_OFF_BY = (-1, 1)
 
 
@@ -190,6 +191,12 @@ def _pairs_with(mistake: str | None, mine: list[int], theirs: list[int],
         for i, a in enumerate(mine):
             for j, b in enumerate(theirs):
                 yield i, j, causal and a == b
+    elif mistake == "causal ignored":  # exercise 2's ring run with causal=True: every block, no mask
+        yield from block_pairs(mine, theirs, False)
+    elif mistake == "blocks above the diagonal masked":  # the diagonal's triangle applied above it too
+        for i, a in enumerate(mine):
+            for j, b in enumerate(theirs):
+                yield i, j, causal and b >= a
     else:
         yield from block_pairs(mine, theirs, causal)
 

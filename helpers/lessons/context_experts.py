@@ -204,8 +204,9 @@ def merge_figure() -> Any:
     axes[1].plot(range(12), torch.softmax(scores, 0).tolist(), "k_", markersize=14, label="softmax over all 12 keys")
     axes[0].set(title="each block on its own", xlabel="key", ylabel="attention weight")
     axes[1].set(title=f"merged: lse = log(exp({lses[0]:.2f}) + exp({lses[1]:.2f})) = {total:.2f}", xlabel="key")
+    axes[0].set_ylim(top=axes[0].get_ylim()[1] * 1.6)  # room above the tallest bar for the legends
     for ax in axes:
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="upper left")
     return fig
 
 
@@ -240,6 +241,12 @@ MISTAKE_ADVICE = {
                                  "labels the blocks that way gives this same output, as does one that labels them "
                                  "(rank + s))"),
     "sum of blocks, not merged": "the sum of the blocks' outputs: merge them by the log-sum-exp rule (exercise 1)",
+    "causal ignored": ("attention without any mask: causal=True is ignored. Skip the blocks above the diagonal (key "
+                       "chunks after the query chunk) and mask the diagonal block (block_attention(..., "
+                       "diagonal=True))"),
+    "blocks above the diagonal masked": ("a ring that computes the blocks above the diagonal with the triangular "
+                                         "mask: that mask is for the diagonal block only (a query chunk meeting its "
+                                         "own keys); a block whose keys all come after the queries is skipped"),
     "block labelled one step off": ("a ring that reads the chunk numbers of the block it holds at step s from the "
                                     "previous or the next step's rank: the block at step s is rank (rank - s) mod N's, "
                                     "so its chunks are layout[(rank - s) % N], and the causal mask decides by those "
@@ -258,8 +265,8 @@ def ring_problem(per_rank: dict[int, dict], causal: bool, merge_note: str | None
     if "error" in first:
         return f"the check ran into {first['error']}"
     for kind in first:
-        for find in (_wait_problem, lambda got: _output_problem(got, causal, merge_note), _gradient_problem,
-                     lambda got: _work_problem(got, causal)):  # unwaited receives, then outputs, then gradients
+        for find in (_wait_problem, lambda got: _output_problem(got, causal, merge_note),  # waits, outputs first
+                     lambda got: _gradient_problem(got, causal), lambda got: _work_problem(got, causal)):
             for rank, graded in sorted(per_rank.items()):
                 problem = find(graded[kind])
                 if problem:
@@ -316,7 +323,7 @@ def _output_problem(got: dict, causal: bool, merge_note: str | None = None) -> s
             f"than {TRUTH:g}).")
 
 
-def _gradient_problem(got: dict) -> str | None:
+def _gradient_problem(got: dict, causal: bool = False) -> str | None:
     for name in ("q", "k", "v"):
         error = got["vs_truth"][name]
         if error <= TRUTH:
@@ -330,7 +337,9 @@ def _gradient_problem(got: dict) -> str | None:
             return (f"d{name} holds only this rank's own queries' share: dk and dv must travel around the ring with "
                     "their block, each rank adding its queries' share, and come home.")
         return (f"the output is right but d{name} differs from one-process attention's gradient by up to "
-                f"{error:.2g} (more than {TRUTH:g}).")
+                f"{error:.2g} (more than {TRUTH:g})."
+                + (" With causal=True the backward must follow the forward's rule: mask the diagonal block and "
+                   "skip the blocks above it." if causal else ""))
     for name, error in got["vs_torch"].items():
         if error > TORCH:
             tensor = name if name == "out" else "d" + name
@@ -677,11 +686,14 @@ def blocks_figure(world_size: int = 4) -> Any:
                     if diagonal:
                         ax.plot([b, b + 1], [n - a, n - 1 - a], color="k", lw=0.6)
         work = [sum(1 for theirs in chunk_layout for _ in block_pairs(mine, theirs, True)) for mine in chunk_layout]
-        ax.set(xlim=(0, n), ylim=(0, n), aspect="equal", xticks=range(n), yticks=range(n),
-               xlabel="key chunk (sequence order)", ylabel="query chunk",
-               title=f"{kind} ({n} chunks): score blocks per rank {work}")
-        ax.set_yticklabels([str(n - 1 - y) for y in range(n)])
-        ax.grid(True, lw=0.3)
+        ax.set(xlim=(0, n), ylim=(0, n), aspect="equal", xlabel="key chunk (sequence order)", ylabel="query chunk",
+               title=f"{kind} ({n} chunks)\nscore blocks per rank {work}")
+        ax.set_xticks([x + 0.5 for x in range(n)], [str(x) for x in range(n)])  # labels in the rows and columns
+        ax.set_yticks([y + 0.5 for y in range(n)], [str(n - 1 - y) for y in range(n)])
+        ax.set_xticks(range(n + 1), minor=True)
+        ax.set_yticks(range(n + 1), minor=True)
+        ax.tick_params(which="minor", length=0)
+        ax.grid(True, which="minor", lw=0.3)
     fig.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in RANK_COLOURS[:world_size]],
                labels=[f"rank {r}" for r in range(world_size)], loc="outside right upper", fontsize=9)
     fig.suptitle("causal attention: blank blocks are skipped, half-shaded diagonal blocks are masked inside",
@@ -773,6 +785,7 @@ def saved_figure(saved: dict[str, list[int]]) -> Any:
     ax.set(xlabel="tokens in the sequence (S)", ylabel="MiB saved for backward", xscale="log", yscale="log",
            title="one attention layer, 2 heads x 16, fp32: measured in this process")
     ax.set_xticks(seqs, [str(s) for s in seqs])
+    ax.set_xticks([], minor=True)  # no log-scale minor labels ("2x10^2") beside the lengths
     ax.legend(fontsize=8)
     return fig
 
@@ -840,6 +853,7 @@ def memory_figure(run: Any) -> Any:
     ax.set(xlabel="tokens in the sequence", ylabel="peak MiB in tensors", xscale="log", yscale="log",
            title="attention forward + backward, float32: peak tensor memory (MemTracker)")
     ax.set_xticks(seqs, [str(s) for s in seqs])
+    ax.set_xticks([], minor=True)  # no log-scale minor labels ("2x10^2") beside the lengths
     ax.legend(fontsize=8)
     return fig
 
