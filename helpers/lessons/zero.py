@@ -623,8 +623,10 @@ def memory_table(checked: Checked | None, stage: str) -> None:
     """Bytes each rank held, read from its tensors, beside the formula (4 bytes per value, Adam: 8)."""
     if not _passed(checked, stage):
         return
-    print(f"{'model':<6}{'rank':>5}{'params':>8}{'shard':>7}{'pad':>5} | {'Adam state':>11}{'formula':>9} |"
-          f" {'grads':>7}{'formula':>9} | {'params':>7}{'formula':>9}   (bytes; DDP holds 8/4/4 x params)")
+    print("B: the bytes each rank held, read from its tensors (DDP holds 8, 4 and 4 B per value)\n"
+          "values: the model's (Ψ); shard: values per rank, with the padding (pad)")
+    print(f"{'model':<6}{'rank':>5}{'values':>8}{'shard':>7}{'pad':>5} | {'Adam B':>11}{'formula':>9} |"
+          f" {'grad B':>7}{'formula':>9} | {'param B':>7}{'formula':>9}")
     for rank, got in sorted(checked.results.items()):
         for name, model in got["models"].items():
             want, impl = expected(model["numels"], got["world_size"]), model["impl"]
