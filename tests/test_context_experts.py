@@ -106,6 +106,17 @@ CAUSAL_MUTANTS = {
           "            theirs = ctx.layout[(rank - step - 1) % world_size]")],
         "the output equals a ring that reads the chunk numbers of the block it holds at step s from the previous or "
         "the next step's rank"),
+    "ignores causal: exercise 2's ring unchanged (a walkthrough's learner)": (
+        [("def needed(mine, theirs, causal):\n", "def needed(mine, theirs, causal):\n    causal = False\n")],
+        "the output equals attention without any mask: causal=True is ignored"),
+    "masks the blocks above the diagonal with the triangle (a walkthrough's learner)": (
+        [("            elif b == a:\n                yield i, j, True",
+          "            else:\n                yield i, j, True")],
+        "the output equals a ring that computes the blocks above the diagonal with the triangular mask"),
+    "a backward without the causal rule (a walkthrough's learner)": (
+        [("            for i, j, diagonal in needed(mine, theirs, ctx.causal):",
+          "            for i, j, diagonal in needed(mine, theirs, False):")],
+        "With causal=True the backward must follow the forward's rule"),
     "sums the blocks' outputs instead of merging": (  # a merge that passes exercise 1 is not called: sums inline
         [("                    outs[i], lses[i] = merge(outs[i], lses[i], block_out, block_lse)",
           "                    outs[i], lses[i] = outs[i] + block_out, torch.logaddexp(lses[i], block_lse)")],
@@ -173,8 +184,15 @@ SIGMOID_MERGE = [(  # torch's own form of the same rule (_attention.py, _SDPAMer
     "    return out, lse - F.logsigmoid(lse - block_lse)")]
 
 
+BATCHED = [(  # picotron's form: one batch_isend_irecv of two P2POps (the check's held receives must accept it)
+    "    requests = [dist.isend(tensor, (rank + 1) % world_size), dist.irecv(received, (rank - 1) % world_size)]",
+    "    requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, (rank + 1) % world_size),\n"
+    "                                       dist.P2POp(dist.irecv, received, (rank - 1) % world_size)])")]
+
+
 def _ring_files(folder: Path, mutants: dict) -> dict[str, Path]:
     files = {name: mutated(RING, folder, f"m{i}", edits) for i, (name, (edits, _)) in enumerate(mutants.items())}
+    files["right: batch_isend_irecv of P2POps"] = mutated(RING, folder, "batched", BATCHED)
     files["right: all-gather instead of a ring"] = folder / "all_gather.py"
     files["right: all-gather instead of a ring"].write_text(RING.read_text() + ALL_GATHER)
     files["right: torch's sigmoid form of the merge"] = mutated(RING, folder, "sigmoid", SIGMOID_MERGE)
@@ -279,6 +297,20 @@ def test_a_ring_that_waits_before_it_sends_is_stopped_and_says_where(tmp_path, c
     assert not check_ring(path, sizes=(2,), timeout=12)
     out = capsys.readouterr().out
     assert "did not finish within 12 s; where each rank was waiting:" in out and "recv_first.py:" in out, out
+    assert "wait() both requests of a step before using `incoming`" in out, out  # a ring's hang names the waits
+
+
+def test_a_forward_that_never_waits_for_its_receives_is_named_on_two_ranks(tmp_path, capsys):
+    """A walkthrough's learner: without the wait() the forward passed on 2 ranks (gloo had delivered the block
+    already) and hung on 4. The check's held receives (NaN until wait()) make it fail on 2 ranks, every run."""
+    path = mutated(RING, tmp_path, "no_wait", [
+        ("            if step < world_size - 1:\n                for request in requests:\n"
+         "                    request.wait()\n                kv = incoming\n",
+         "            if step < world_size - 1:\n                kv = incoming  # never waited for\n")])
+    assert not check_ring(path, sizes=(2,))
+    out = capsys.readouterr().out.splitlines()[-1]
+    assert "the forward started 1 receive(s) with dist.irecv and never called wait() on them" in out, out
+    assert "wait() both requests before using `incoming`" in out, out
 
 
 def test_starting_code_in_the_notebook_says_not_yet(tmp_path, capsys):

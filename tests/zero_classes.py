@@ -142,7 +142,7 @@ class BucketedDDP(Base):
         ready = self.ready
         super().finish_gradient_synchronization()
         self.ready = ready  # never reset: no bucket is full again
-'''), "model 'mlp': step 1 all-reduced buckets of [] bytes; the bucket plan"),
+'''), "model 'mlp': step 1 all-reduced no bucket, though step 0 did: did you reset the per-bucket counts"),
     "m12 zero2: the hook overwrites the shard's gradient instead of adding to it": (
         "zero2", mutated((AVERAGE, "shard.grad = summed / self.world_size")),
         "model 'mlp': step 3 runs two backward passes before step() (gradient accumulation); after them the "

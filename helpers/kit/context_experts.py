@@ -24,6 +24,9 @@ Counting:
   dispatcher (c10d's ops from `dist.*`, and the functional collectives torch's own ring attention uses), with the
   bytes that leave this rank; `count_flops`: FlopCounterMode's total, with torch's SDPA formula registered for the
   CPU flash op (which FlopCounterMode does not count by itself in torch 2.14).
+- `HeldReceives`: while active, the buffer of every `dist.irecv` holds NaN until its request's `wait()` returns (the
+  check's way to make a buffer read before its wait fail on every run, as lesson 09's check does for async
+  collectives).
 Imports only torch: workers and the notebook both use it.
 """
 from __future__ import annotations
@@ -33,6 +36,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -135,7 +139,8 @@ def block_flops(batch: int, heads: int, rows: int, head_dim: int) -> int:
 # "block labelled one step off": the block that arrives at step s is rank (rank - s)'s, but the code reads its chunk
 # numbers from layout[(rank - s - 1) % N] or layout[(rank - s + 1) % N] (the same ring on 2 ranks).
 MISTAKES = ("no diagonal mask", "blocks above the diagonal computed", "sent the other way round",
-            "sum of blocks, not merged", "block labelled one step off")
+            "sum of blocks, not merged", "block labelled one step off", "causal ignored",
+            "blocks above the diagonal masked")
 LABEL_OFF_BY = (-1, 1)
 
 
@@ -186,6 +191,12 @@ def _pairs_with(mistake: str | None, mine: list[int], theirs: list[int],
         for i, a in enumerate(mine):
             for j, b in enumerate(theirs):
                 yield i, j, causal and a == b
+    elif mistake == "causal ignored":  # exercise 2's ring run with causal=True: every block, no mask
+        yield from block_pairs(mine, theirs, False)
+    elif mistake == "blocks above the diagonal masked":  # the diagonal's triangle applied above it too
+        for i, a in enumerate(mine):
+            for j, b in enumerate(theirs):
+                yield i, j, causal and b >= a
     else:
         yield from block_pairs(mine, theirs, causal)
 
@@ -255,6 +266,76 @@ class CommCounter(TorchDispatchMode):
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
+
+
+class _HeldWork(dist.Work):
+    """The Work of a held irecv: wait() waits for the real receive, then copies what arrived into the caller's
+    buffer (until then it holds NaN)."""
+
+    def __init__(self, work: dist.Work, buffer: torch.Tensor, arrived: torch.Tensor, held: HeldReceives) -> None:
+        super().__init__()
+        self.work, self.buffer, self.arrived, self.held, self.delivered = work, buffer, arrived, held, False
+
+    def wait(self, timeout=None) -> bool:
+        done = self.work.wait() if timeout is None else self.work.wait(timeout)
+        if not self.delivered:
+            self.delivered = True
+            with torch.no_grad():
+                self.buffer.copy_(self.arrived)
+        return done
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+    def is_success(self) -> bool:
+        return self.work.is_success()
+
+    def exception(self):
+        return self.work.exception()
+
+    def result(self):
+        return self.work.result()
+
+
+class HeldReceives:
+    """While active (a context manager), `dist.irecv` receives into a copy and fills the caller's buffer with NaN;
+    the request's wait() copies what arrived into the buffer. A buffer used before its wait() then holds NaN on every
+    run, not whatever a race left there (on gloo a small message often arrives before the wait, so the mistake passes
+    on one run and fails on the next). Ours, for the check: torch's irecv writes into the buffer itself whenever the
+    data arrives. `unwaited()`: how many held receives were never waited for so far. Also installed as
+    distributed_c10d.irecv, so that `dist.P2POp(dist.irecv, ...)` and `batch_isend_irecv` accept it."""
+
+    def __init__(self) -> None:
+        self.receives: list[_HeldWork] = []
+        self._original = None
+
+    def __enter__(self) -> HeldReceives:
+        from torch.distributed import distributed_c10d
+
+        original = self._original = distributed_c10d.irecv
+
+        def irecv(tensor, *args, **kwargs):
+            if not (isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and tensor.is_contiguous()):
+                return original(tensor, *args, **kwargs)
+            arrived = torch.empty_like(tensor)
+            with torch.no_grad():
+                tensor.fill_(float("nan"))
+            work = original(arrived, *args, **kwargs)
+            if work is None:  # this rank is not in the group: nothing arrives
+                return work
+            self.receives.append(_HeldWork(work, tensor, arrived, self))
+            return self.receives[-1]
+
+        distributed_c10d.irecv = dist.irecv = irecv
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from torch.distributed import distributed_c10d
+
+        distributed_c10d.irecv = dist.irecv = self._original
+
+    def unwaited(self) -> int:
+        return sum(not held.delivered for held in self.receives)
 
 
 def _register_cpu_flash_flops() -> None:

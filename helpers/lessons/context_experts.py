@@ -48,7 +48,9 @@ def _launch(worker: str, nproc: int, args: list[str], timeout: float, what: str)
     except LaunchTimeout as error:
         return None, (f"{what} on {nproc} ranks did not finish within {timeout:g} s; where each rank was waiting:"
                       f"{each_rank(error.where)}. A rank that waits in a receive or a collective its peer never "
-                      f"joins: check which rank each send goes to and which each receive expects.")
+                      f"joins: check which rank each send goes to and which each receive expects"
+                      + ("; in a ring, wait() both requests of a step before using `incoming` and before the next "
+                         "step's isend." if worker == "context_check.py" else "."))
     except WorkerFailed as error:  # what not_yet_crashed says: the rank, the learner's line, what gloo's check means
         return None, explain_crash(error, f"{what} on {nproc} ranks")
 
@@ -94,8 +96,8 @@ def merge_problem(merge: Any) -> str | None:
     for what, blocks, (want_out, want_lse), bar in _merge_cases():
         try:
             got = merge(*blocks)
-        except Exception as error:  # the learner's own code: any error is theirs to see
-            return f"merge raised {type(error).__name__}: {error}"
+        except Exception as error:  # the learner's own code: any error is theirs to see, with their line
+            return f"merge raised {type(error).__name__}: {error}{_merge_crash_where(merge, error)}"
         if not (isinstance(got, tuple) and len(got) == 2 and all(isinstance(t, torch.Tensor) for t in got)):
             return f"merge should return two tensors (out, lse), it returned {type(got).__name__}"
         out, lse = got
@@ -118,6 +120,19 @@ def merge_problem(merge: Any) -> str | None:
                         "log(exp(lse) + exp(block_lse)), what the next block's merge weighs against")
             return "the merged output is right but the new lse is not log(exp(lse) + exp(block_lse))"
     return None
+
+
+def _merge_crash_where(merge: Any, error: Exception) -> str:
+    """Where in the learner's file merge crashed, and what a size mismatch there usually means."""
+    import traceback
+
+    file = getattr(getattr(merge, "__code__", None), "co_filename", None)
+    lines = [frame.lineno for frame in traceback.extract_tb(error.__traceback__) if frame.filename == file]
+    where = f" (at {Path(file).name}:{lines[-1]})" if lines else ""
+    if isinstance(error, RuntimeError) and "must match the size of tensor" in str(error):
+        where += (". out is [..., queries, d] and lse [..., queries]: a weight computed from lse multiplies out "
+                  "only after .unsqueeze(-1)")
+    return where
 
 
 def empty_start_problem(merge: Any) -> str | None:
@@ -189,8 +204,9 @@ def merge_figure() -> Any:
     axes[1].plot(range(12), torch.softmax(scores, 0).tolist(), "k_", markersize=14, label="softmax over all 12 keys")
     axes[0].set(title="each block on its own", xlabel="key", ylabel="attention weight")
     axes[1].set(title=f"merged: lse = log(exp({lses[0]:.2f}) + exp({lses[1]:.2f})) = {total:.2f}", xlabel="key")
+    axes[0].set_ylim(top=axes[0].get_ylim()[1] * 1.6)  # room above the tallest bar for the legends
     for ax in axes:
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="upper left")
     return fig
 
 
@@ -225,6 +241,12 @@ MISTAKE_ADVICE = {
                                  "labels the blocks that way gives this same output, as does one that labels them "
                                  "(rank + s))"),
     "sum of blocks, not merged": "the sum of the blocks' outputs: merge them by the log-sum-exp rule (exercise 1)",
+    "causal ignored": ("attention without any mask: causal=True is ignored. Skip the blocks above the diagonal (key "
+                       "chunks after the query chunk) and mask the diagonal block (block_attention(..., "
+                       "diagonal=True))"),
+    "blocks above the diagonal masked": ("a ring that computes the blocks above the diagonal with the triangular "
+                                         "mask: that mask is for the diagonal block only (a query chunk meeting its "
+                                         "own keys); a block whose keys all come after the queries is skipped"),
     "block labelled one step off": ("a ring that reads the chunk numbers of the block it holds at step s from the "
                                     "previous or the next step's rank: the block at step s is rank (rank - s) mod N's, "
                                     "so its chunks are layout[(rank - s) % N], and the causal mask decides by those "
@@ -243,12 +265,26 @@ def ring_problem(per_rank: dict[int, dict], causal: bool, merge_note: str | None
     if "error" in first:
         return f"the check ran into {first['error']}"
     for kind in first:
-        for find in (lambda got: _output_problem(got, causal, merge_note), _gradient_problem,  # outputs first
-                     lambda got: _work_problem(got, causal)):
+        for find in (_wait_problem, lambda got: _output_problem(got, causal, merge_note),  # waits, outputs first
+                     lambda got: _gradient_problem(got, causal), lambda got: _work_problem(got, causal)):
             for rank, graded in sorted(per_rank.items()):
                 problem = find(graded[kind])
                 if problem:
                     return f"{_where(rank, kind, len(graded[kind]['layout']))}: {problem}"
+    return None
+
+
+WAIT_ADVICE = ("wait() both requests before using `incoming` (this check keeps a receive's buffer at NaN until its "
+               "request's wait() returns; on a real run the block may simply not have arrived yet)")
+
+
+def _wait_problem(got: dict) -> str | None:
+    """Receives (dist.irecv) that the forward or the backward started and never waited for."""
+    for when in ("forward", "backward"):
+        unwaited = (got.get(when) or {}).get("unwaited", 0)
+        if unwaited:
+            return (f"the {when} started {unwaited} receive(s) with dist.irecv and never called wait() on them: "
+                    f"{WAIT_ADVICE}.")
     return None
 
 
@@ -270,10 +306,11 @@ def _output_problem(got: dict, causal: bool, merge_note: str | None = None) -> s
                     if causal else "")
             return f"the output holds nan, and your merge gives nan in one case: {merge_note}.{also}"
         if causal:
-            return ("the output holds nan: a block whose every score is masked leaves softmax nothing to divide by. "
-                    "Skip blocks whose keys all come after the queries instead of masking them.")
+            return ("the output holds nan: a block whose every score is masked leaves softmax nothing to divide by "
+                    "(skip blocks whose keys all come after the queries instead of masking them), or a received "
+                    f"block was used before its wait(): {WAIT_ADVICE}.")
         return ("the output holds nan (there is no mask in this check): look for a 0 / 0, an inf - inf, or a "
-                "tensor used before it was received (torch.empty_like holds whatever was in memory).")
+                f"received block used before its wait(): {WAIT_ADVICE}.")
     matches = got["matches"]
     if matches["steps"]:
         seen = "its own chunks only" if matches["steps"] == 1 else f"the blocks of the first {matches['steps']} steps"
@@ -286,7 +323,7 @@ def _output_problem(got: dict, causal: bool, merge_note: str | None = None) -> s
             f"than {TRUTH:g}).")
 
 
-def _gradient_problem(got: dict) -> str | None:
+def _gradient_problem(got: dict, causal: bool = False) -> str | None:
     for name in ("q", "k", "v"):
         error = got["vs_truth"][name]
         if error <= TRUTH:
@@ -300,7 +337,9 @@ def _gradient_problem(got: dict) -> str | None:
             return (f"d{name} holds only this rank's own queries' share: dk and dv must travel around the ring with "
                     "their block, each rank adding its queries' share, and come home.")
         return (f"the output is right but d{name} differs from one-process attention's gradient by up to "
-                f"{error:.2g} (more than {TRUTH:g}).")
+                f"{error:.2g} (more than {TRUTH:g})."
+                + (" With causal=True the backward must follow the forward's rule: mask the diagonal block and "
+                   "skip the blocks above it." if causal else ""))
     for name, error in got["vs_torch"].items():
         if error > TORCH:
             tensor = name if name == "out" else "d" + name
@@ -647,11 +686,14 @@ def blocks_figure(world_size: int = 4) -> Any:
                     if diagonal:
                         ax.plot([b, b + 1], [n - a, n - 1 - a], color="k", lw=0.6)
         work = [sum(1 for theirs in chunk_layout for _ in block_pairs(mine, theirs, True)) for mine in chunk_layout]
-        ax.set(xlim=(0, n), ylim=(0, n), aspect="equal", xticks=range(n), yticks=range(n),
-               xlabel="key chunk (sequence order)", ylabel="query chunk",
-               title=f"{kind} ({n} chunks): score blocks per rank {work}")
-        ax.set_yticklabels([str(n - 1 - y) for y in range(n)])
-        ax.grid(True, lw=0.3)
+        ax.set(xlim=(0, n), ylim=(0, n), aspect="equal", xlabel="key chunk (sequence order)", ylabel="query chunk",
+               title=f"{kind} ({n} chunks)\nscore blocks per rank {work}")
+        ax.set_xticks([x + 0.5 for x in range(n)], [str(x) for x in range(n)])  # labels in the rows and columns
+        ax.set_yticks([y + 0.5 for y in range(n)], [str(n - 1 - y) for y in range(n)])
+        ax.set_xticks(range(n + 1), minor=True)
+        ax.set_yticks(range(n + 1), minor=True)
+        ax.tick_params(which="minor", length=0)
+        ax.grid(True, which="minor", lw=0.3)
     fig.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in RANK_COLOURS[:world_size]],
                labels=[f"rank {r}" for r in range(world_size)], loc="outside right upper", fontsize=9)
     fig.suptitle("causal attention: blank blocks are skipped, half-shaded diagonal blocks are masked inside",
@@ -703,7 +745,7 @@ def balance_report(run: Any) -> dict[str, Any]:
         first, other = (Timing(f"rank {r}", per_rank[r][kind].wall, per_rank[r][kind].cpu) for r in (0, last))
         control[kind] = verdict(first, other, kind="cpu")
     for kind, found in control.items():
-        print(f"  {kind}, rank 0 against rank {last}: {found.sentence}")
+        print(f"  {kind}: {found.sentence}")
     return {"wall": wall, "control": control, "cpu": cpu}
 
 
@@ -743,6 +785,7 @@ def saved_figure(saved: dict[str, list[int]]) -> Any:
     ax.set(xlabel="tokens in the sequence (S)", ylabel="MiB saved for backward", xscale="log", yscale="log",
            title="one attention layer, 2 heads x 16, fp32: measured in this process")
     ax.set_xticks(seqs, [str(s) for s in seqs])
+    ax.set_xticks([], minor=True)  # no log-scale minor labels ("2x10^2") beside the lengths
     ax.legend(fontsize=8)
     return fig
 
@@ -810,6 +853,7 @@ def memory_figure(run: Any) -> Any:
     ax.set(xlabel="tokens in the sequence", ylabel="peak MiB in tensors", xscale="log", yscale="log",
            title="attention forward + backward, float32: peak tensor memory (MemTracker)")
     ax.set_xticks(seqs, [str(s) for s in seqs])
+    ax.set_xticks([], minor=True)  # no log-scale minor labels ("2x10^2") beside the lengths
     ax.legend(fontsize=8)
     return fig
 
@@ -821,11 +865,13 @@ def moe_traffic(checked: Checked | None, world_size: int = 2) -> list[dict[str, 
         print("(no results yet: the MoE check has not passed)")
         return []
     rows = []
-    print(f"{world_size} ranks, capacity factor None, all-to-alls in call order (bytes; 'left': to other ranks):")
+    print(f"{world_size} ranks, capacity factor None, all-to-alls in call order: the bytes of the tensor given to the "
+          "call, and how many of them went to other ranks (the rest stays on this rank); splits: rows per rank")
     for rank, graded in sorted(checked.results[world_size].items()):
         got = graded["None"]
         calls = [("forward", e) for e in got["forward"]] + [("backward", e) for e in got["backward"]]
-        parts = [f"{phase} {e['bytes']} B handed, {e['sent']} left (splits {e['splits']})" for phase, e in calls]
+        parts = [f"{phase} {e['bytes']} B given, {e['sent']} B to other ranks (splits {e['splits']})"
+                 for phase, e in calls]
         print(f"  rank {rank}: " + "\n          ".join(parts))
         rows.append({"rank": rank, "calls": calls})
     return rows
@@ -953,7 +999,8 @@ def aux_figure(histories: dict[float, list[list[float]]]) -> Any:
         for expert in range(len(history[0]) - 1):
             ax.plot([row[expert] for row in history], color=RANK_COLOURS[expert], label=f"expert {expert}")
         ax.axhline(1 / (len(history[0]) - 1), color="k", lw=0.6, ls="--")
-        ax.set(xlabel="step", title=f"alpha = {alpha:g}: aux loss {history[0][-1]:.2f} -> {history[-1][-1]:.2f}")
+        ax.set(xlabel="step", title=f"alpha = {alpha:g}: E·Σ f·P {history[0][-1]:.2f} -> {history[-1][-1]:.2f} "
+                                    "(the loss: alpha times it)")
     axes[0].set_ylabel("share of the assignments")
     axes[-1].legend(fontsize=8)
     return fig

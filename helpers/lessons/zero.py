@@ -140,9 +140,12 @@ def _bucket_problem(model: dict, cap_mb: float) -> str | None:
         if step == ACCUMULATE_STEP:  # two backward passes: the plan twice
             continue
         if sizes != plan:  # catches one all-reduce per parameter, a bucket never closed, the wrong order, a repeat
+            if not sizes and step > 0:  # catches counts of ready gradients never reset after a step
+                return (f"step {step} all-reduced no bucket, though step 0 did: did you reset the per-bucket counts "
+                        f"of ready gradients after each step? The bucket plan is {plan}.")
             return (f"step {step} all-reduced buckets of {sizes} bytes; the bucket plan (the buckets torch's DDP "
                     f"all-reduced in the same run after its rebuild, cap {cap_mb} MiB, gradients back to front) "
-                    f"is {plan}.")
+                    f"is {plan}: a bucket closes once it holds at least the cap, and never splits a gradient.")
         end, waits = _backward_end(events), _waits(events)
         if any(i > end for i, e in enumerate(events) if is_call(e)) or any(not e["async"] for e in calls):
             return ("the all-reduces must start during backward (async_op=True, from the gradient hooks), "
@@ -620,8 +623,10 @@ def memory_table(checked: Checked | None, stage: str) -> None:
     """Bytes each rank held, read from its tensors, beside the formula (4 bytes per value, Adam: 8)."""
     if not _passed(checked, stage):
         return
-    print(f"{'model':<6}{'rank':>5}{'params':>8}{'shard':>7}{'pad':>5} | {'Adam state':>11}{'formula':>9} |"
-          f" {'grads':>7}{'formula':>9} | {'params':>7}{'formula':>9}   (bytes; DDP holds 8/4/4 x params)")
+    print("B: the bytes each rank held, read from its tensors (DDP holds 8, 4 and 4 B per value)\n"
+          "values: the model's (Ψ); shard: values per rank, with the padding (pad)")
+    print(f"{'model':<6}{'rank':>5}{'values':>8}{'shard':>7}{'pad':>5} | {'Adam B':>11}{'formula':>9} |"
+          f" {'grad B':>7}{'formula':>9} | {'param B':>7}{'formula':>9}")
     for rank, got in sorted(checked.results.items()):
         for name, model in got["models"].items():
             want, impl = expected(model["numels"], got["world_size"]), model["impl"]
@@ -693,7 +698,7 @@ def holdings_figure(runs: dict, model: str = "mlp") -> Any:
 
     held = holdings(runs, model)
     if not held:
-        print("(no results yet: no ZeRO check has passed)")
+        print("(no results yet: no ZeRO check has passed; run this cell again once one has)")
         return None
     fig, axes = plt.subplots(len(held), 1, figsize=(10, 0.9 + 0.95 * len(held)), dpi=80, layout="constrained",
                              sharex=True, squeeze=False)

@@ -9,8 +9,9 @@ gradient, takes its own positions, and runs:
 - one-process attention, F.scaled_dot_product_attention on the whole sequence (is_causal as asked): the truth;
 - torch's own ring attention, `_templated_ring_attention` with the CPU flash op, and its backward (load balancing on
   for the balanced causal layout, off otherwise);
-- the file's ring_attention, forward then backward, under FlopCounterMode (FLOPs) and our CommCounter (every
-  collective and point-to-point op the dispatcher sees, with the bytes that leave this rank).
+- the file's ring_attention, forward then backward, under FlopCounterMode (FLOPs), our CommCounter (every
+  collective and point-to-point op the dispatcher sees, with the bytes that leave this rank) and our HeldReceives
+  (every irecv's buffer holds NaN until its request's wait(); the receives never waited for are counted).
 Each rank hands back the largest differences, the FLOPs, the traffic, and which simulated mistake (if any) its output
 matches (helpers.kit.context_experts.simulated_ring). helpers/lessons/context_experts.py decides.
 With one file, an exception in it stops the launch (the check names the rank and the line); with several (tests),
@@ -31,6 +32,7 @@ from helpers.kit.context_experts import (
     LAYOUTS,
     MISTAKES,
     CommCounter,
+    HeldReceives,
     block_flops,
     expected_work,
     flop_counter,
@@ -99,18 +101,20 @@ def largest(a: torch.Tensor, b: torch.Tensor) -> float:
 def run_learner(module, local: dict, chunk_layout: list, causal: bool, rank: int, world_size: int) -> dict:
     q, k, v = (local[n].clone().requires_grad_() for n in ("q", "k", "v"))
     comms = CommCounter(rank, world_size)
-    with flop_counter() as flops, comms:
-        out = module.ring_attention(q, k, v, chunk_layout, causal)
-    forward = {"flops": flops.get_total_flops(), "events": comms.take()}
-    got = {"forward": forward, "shape": list(out.shape) if isinstance(out, torch.Tensor) else repr(type(out))}
-    if not isinstance(out, torch.Tensor) or out.shape != q.shape or not out.requires_grad:
-        got["out"] = out if isinstance(out, torch.Tensor) else None
-        got["backward_error"] = "no output to differentiate" if not isinstance(out, torch.Tensor) else (
-            "the output does not require grad" if not out.requires_grad else "wrong shape")
-        return got
-    with flop_counter() as flops, comms:
-        out.backward(local["grad_out"])
-    got["backward"] = {"flops": flops.get_total_flops(), "events": comms.take()}
+    with HeldReceives() as held:  # an irecv's buffer holds NaN until its wait(): a read before it fails every run
+        with flop_counter() as flops, comms:
+            out = module.ring_attention(q, k, v, chunk_layout, causal)
+        forward = {"flops": flops.get_total_flops(), "events": comms.take(), "unwaited": held.unwaited()}
+        got = {"forward": forward, "shape": list(out.shape) if isinstance(out, torch.Tensor) else repr(type(out))}
+        if not isinstance(out, torch.Tensor) or out.shape != q.shape or not out.requires_grad:
+            got["out"] = out if isinstance(out, torch.Tensor) else None
+            got["backward_error"] = "no output to differentiate" if not isinstance(out, torch.Tensor) else (
+                "the output does not require grad" if not out.requires_grad else "wrong shape")
+            return got
+        with flop_counter() as flops, comms:
+            out.backward(local["grad_out"])
+        got["backward"] = {"flops": flops.get_total_flops(), "events": comms.take(),
+                           "unwaited": held.unwaited() - forward["unwaited"]}
     got.update(out=out.detach(), q=q.grad, k=k.grad, v=v.grad)
     return got
 

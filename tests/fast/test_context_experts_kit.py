@@ -153,6 +153,11 @@ MERGE_MUTANTS = {
         "new_lse = torch.logaddexp(lse, block_lse)\n"
         "    return out + torch.exp(block_lse - new_lse).unsqueeze(-1) * block_out, new_lse",
         "the old accumulator out is not rescaled"),
+    "forgets unsqueeze(-1) on the weights (a walkthrough's learner: a bare size error)": (
+        "new_lse = torch.logaddexp(lse, block_lse)\n"
+        "    return torch.exp(lse - new_lse) * out + torch.exp(block_lse - new_lse) * block_out, new_lse",
+        "(at merge.py:6). out is [..., queries, d] and lse [..., queries]: a weight computed from lse multiplies out "
+        "only after .unsqueeze(-1)"),
     "does not rescale the new block": (
         "new_lse = torch.logaddexp(lse, block_lse)\n"
         "    return torch.exp(lse - new_lse).unsqueeze(-1) * out + block_out, new_lse",
