@@ -52,6 +52,21 @@ def test_counter_check_catches_a_local_counter(tmp_path, capsys):
     assert "the counter was created on 'worker0': create it on worker1" in capsys.readouterr().out
 
 
+def test_counter_check_catches_removed_sleeps(tmp_path, capsys):
+    """A fresh reader's wrong answer (review 05-2): add()'s sleeps deleted, ten serial rpc_sync calls, no lock. Nothing
+    overlapped and no lock was needed, so the count comes out right fast: the check must refuse it by the floor that
+    the sleeps set, not say the calls ran at once."""
+    script = _variant(tmp_path, "no_sleeps.py",
+                      ("        time.sleep(0.1)  # slow work that may run in parallel with other calls\n", ""),
+                      ("            time.sleep(0.01)\n", ""), ("with self.lock:", "if True:"),
+                      ("counter.rpc_async().add(1)", "counter.rpc_sync().add(1)"),
+                      ("[future.wait() for future in futures]", "futures"))
+    assert not check_counter(script)
+    out = capsys.readouterr().out.splitlines()[-1]
+    assert out.startswith("Not yet: ") and "keep both time.sleep lines in add()" in out, out
+    assert "ran there at once" not in out, out
+
+
 def test_counter_check_blames_a_lock_held_during_the_slow_work(tmp_path, capsys):
     """The walkthrough's third try: the lock around all of add() serializes the calls again, although they were sent
     with rpc_async; the hint must name the lock, not the sending."""
