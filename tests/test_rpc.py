@@ -67,6 +67,19 @@ def test_counter_check_catches_removed_sleeps(tmp_path, capsys):
     assert "ran there at once" not in out, out
 
 
+def test_counter_check_names_futures_waited_for_in_the_loop_that_sends_them(tmp_path, capsys):
+    """Review 05-3: the lock is right, but each future is waited for as soon as it is sent; the hint must name the
+    waiting, not the lock."""
+    script = _variant(tmp_path, "wait_in_loop.py",
+                      ("futures = [counter.rpc_async().add(1) for _ in range(10)]",
+                       "futures = [counter.rpc_async().add(1).wait() for _ in range(10)]"),
+                      ("[future.wait() for future in futures]", "futures"))
+    assert not check_counter(script)
+    out = capsys.readouterr().out.splitlines()[-1]
+    assert out.startswith("Not yet: ") and "waited for in the same loop that sends it" in out, out
+    assert "is your lock held" not in out, out
+
+
 def test_counter_check_blames_a_lock_held_during_the_slow_work(tmp_path, capsys):
     """The walkthrough's third try: the lock around all of add() serializes the calls again, although they were sent
     with rpc_async; the hint must name the lock, not the sending."""

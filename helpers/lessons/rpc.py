@@ -58,6 +58,10 @@ def check_counter(script: str | Path, timeout: float = 60) -> bool:
         serial = f"the ten add() calls took more than {SERIAL_SECONDS} s, so they ran one after another"
         if "rpc_async" not in source:
             problems.append(f"{serial}: send all ten with counter.rpc_async().add(1), then wait for the futures")
+        elif _waits_where_it_sends(source) and not _lock_around_slow_work(source):
+            problems.append(f"{serial}: each future is waited for in the same loop that sends it, so each call "
+                            "runs alone; send all ten first (futures = [counter.rpc_async().add(1) for _ in "
+                            "range(10)]), then wait for the futures")
         elif "Lock" in source:
             problems.append(f"{serial} on worker1: is your lock held during add()'s slow 0.1 s sleep? Hold it only "
                             "around the read and the write (and send all ten calls before waiting for any)")
@@ -77,14 +81,42 @@ def check_counter(script: str | Path, timeout: float = 60) -> bool:
 def _sleeps_missing(source: str) -> bool:
     """Whether Counter.add in the learner's source lacks time.sleep(0.1) or time.sleep(0.01) (read with ast, so
     comments and spacing do not matter). A source that does not parse is left to the launch to report."""
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:
+    tree = _parsed(source)
+    if tree is None:
         return False
     calls = {ast.unparse(node) for cls in tree.body if isinstance(cls, ast.ClassDef) and cls.name == "Counter"
              for method in cls.body if isinstance(method, ast.FunctionDef) and method.name == "add"
              for node in ast.walk(method) if isinstance(node, ast.Call)}
     return not {"time.sleep(0.1)", "time.sleep(0.01)"} <= calls
+
+
+def _parsed(source: str) -> ast.Module | None:
+    try:
+        return ast.parse(source)
+    except SyntaxError:
+        return None
+
+
+def _waits_where_it_sends(source: str) -> bool:
+    """Whether one loop (a for statement or a comprehension) both sends with rpc_async and waits (.wait())."""
+    tree = _parsed(source)
+    loops = (ast.For, ast.While, ast.ListComp, ast.GeneratorExp, ast.SetComp, ast.DictComp)
+    for loop in (node for node in ast.walk(tree or ast.Module(body=[], type_ignores=[])) if isinstance(node, loops)):
+        text = ast.unparse(loop)
+        if "rpc_async" in text and ".wait()" in text:
+            return True
+    return False
+
+
+def _lock_around_slow_work(source: str) -> bool:
+    """Whether Counter.add holds a `with` block (the lock) around its time.sleep(0.1)."""
+    tree = _parsed(source)
+    for cls in (tree.body if tree else []):
+        if isinstance(cls, ast.ClassDef) and cls.name == "Counter":
+            for node in ast.walk(cls):
+                if isinstance(node, ast.With) and "time.sleep(0.1)" in ast.unparse(node):
+                    return True
+    return False
 
 
 def step_locks() -> dict[str, list[str]]:
