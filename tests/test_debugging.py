@@ -33,8 +33,32 @@ def failure(script: Path, args: list, **options) -> WorkerFailed:
 # ------------------------------------------------------------------ debug_mystery.py
 
 
-def test_mystery_nan_flag_names_every_rank_anomaly_names_the_planted_one_and_eps_fixes_it():
-    from helpers.lessons.debugging import planted
+ORIGINAL = """import torch
+from torch import nn
+
+
+class Classifier(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.layer = nn.Linear(16, 8, bias=False), nn.Linear(9, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        length = torch.sqrt((h ** 2).sum(1, keepdim=True))
+        return self.layer(torch.cat([h, length], dim=1))
+"""
+LENGTH = "length = torch.sqrt((h ** 2).sum(1, keepdim=True))"
+
+
+def learner_copy(tmp_path: Path, name: str, length: str) -> Path:
+    """The exercise's starting copy of the model, with its length line replaced by a learner's."""
+    path = tmp_path / f"{name}.py"
+    path.write_text(ORIGINAL.replace(LENGTH, length))
+    return path
+
+
+def test_mystery_nan_flag_names_every_rank_anomaly_names_the_planted_one_and_its_op():
+    from helpers.lessons.debugging import MYSTERY_OP, planted, reference_losses
 
     rank, step = planted()
     flagged = launch(MYSTERY, nproc=2, args=["--nan-check"], timeout=60, echo=False)
@@ -42,20 +66,54 @@ def test_mystery_nan_flag_names_every_rank_anomaly_names_the_planted_one_and_eps
     anomaly = failure(MYSTERY, ["--anomaly"], timeout=60)
     last_step = int(re.findall(r"^step (\d+): loss", anomaly.run.logs[anomaly.rank], re.M)[-1])
     assert (anomaly.rank, last_step) == (rank, step)
+    assert re.search(r"Function '(\w+)' returned nan values", str(anomaly))[1] == MYSTERY_OP
+    # the check's in-process reference is the job: the same losses wherever they are finite
     unfixed = launch(MYSTERY, nproc=2, timeout=60, echo=False)
-    assert not check_mystery(rank, step, unfixed)
-    fixed = launch(MYSTERY, nproc=2, args=["--eps", "1e-8"], timeout=60, echo=False)
-    assert check_mystery(rank, step, fixed)
+    reference = reference_losses()
+    for r in (0, 1):
+        assert unfixed.results[r]["losses"][:step] == pytest.approx(reference[r][:step], abs=1e-6)
+        assert all(loss != loss for loss in reference[r][step:])  # NaN after the planted step, as in the job
 
 
-def test_mystery_check_says_a_lower_learning_rate_is_no_fix(capsys):
+def test_a_lower_learning_rate_is_no_fix():
     # A learner who guesses the NaN is a step too large: sqrt(0)'s infinite slope does not care about the step size
-    from helpers.lessons.debugging import planted
-
-    rank, step = planted()
     slower = launch(MYSTERY, nproc=2, args=["--lr", "0.01"], timeout=60, echo=False)
-    assert not check_mystery(rank, step, slower)
-    assert "final losses are not finite" in capsys.readouterr().out
+    assert all(values["final_loss"] != values["final_loss"] for values in slower.results.values())
+
+
+@pytest.mark.parametrize(("length", "message"), [
+    (LENGTH, "its final losses are not finite"),  # the untouched copy
+    ("length = torch.where((h ** 2).sum(1, keepdim=True) > 0, torch.sqrt((h ** 2).sum(1, keepdim=True)), 0.0)",
+     "its final losses are not finite"),  # where() still runs sqrt's backward at 0: 0 * inf
+    ("length = torch.sqrt((h ** 2).sum(1, keepdim=True)).detach()",
+     "with your model the loss of step 2 on rank 0"),  # no NaN, but the embedding no longer learns from the length
+    ("length = torch.sqrt((h ** 2).sum(1, keepdim=True) + 1.0)",
+     "with your model the loss of step 1 on rank 0"),  # an epsilon so large it changes every length
+    ("length = torch.sqrt((h ** 2).sum(1, keepdim=True)) + undefined_name",
+     "crashed on rank N at crashes.py:12 (in forward): NameError"),
+])
+def test_mystery_check_names_a_wrong_fix(tmp_path, capsys, length, message):
+
+    name = "crashes" if "undefined" in length else "fix"
+    assert not check_mystery(1, 6, "PowBackward0", learner_copy(tmp_path, name, length))
+    out = re.sub(r"(?<=crashed on rank )\d", "N", capsys.readouterr().out.splitlines()[-1])
+    assert out.startswith("Not yet: ") and message in out, out
+
+
+@pytest.mark.parametrize("length", [
+    "length = torch.sqrt((h ** 2).sum(1, keepdim=True) + 1e-8)",
+    "length = torch.linalg.vector_norm(h, dim=1, keepdim=True)",  # its backward gives 0 at a zero vector
+    "length = torch.sqrt((h ** 2).sum(1, keepdim=True).clamp(min=1e-12))",
+])
+def test_mystery_check_accepts_fixes_built_differently(tmp_path, capsys, length):
+
+    assert check_mystery(1, 6, "PowBackward0", learner_copy(tmp_path, "fix", length))
+    assert capsys.readouterr().out.splitlines()[-1].startswith("Correct: ")
+
+
+def test_mystery_check_passes_the_solution_file(capsys):
+
+    assert check_mystery(1, 6, "PowBackward0", WORKERS / "debug_mystery_solution.py")
 
 
 # ------------------------------------------------------------------ lesson 08's Flight Recorder and live-hang tools

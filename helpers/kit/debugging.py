@@ -1,11 +1,13 @@
-"""The data of lesson 08's mystery job (helpers/workers/debug_mystery.py). Worker kit.
+"""The data and the model of lesson 08's mystery job (helpers/workers/debug_mystery.py). Worker kit.
 
-Random 16-number "images" of 4 classes, one of them blank, shuffled across 2 ranks by DistributedSampler.
-The exercise's check (helpers.lessons.debugging.check_mystery) reads the same data to know where the NaN starts.
+Random 16-number "images" of 4 classes, one of them blank, shuffled across 2 ranks by DistributedSampler, and the
+classifier the job trains. The exercise's check (helpers.lessons.debugging.check_mystery) reads the same data and
+model to know where the NaN starts and what the job's losses are before it.
 """
 from __future__ import annotations
 
 import torch
+from torch import nn
 from torch.utils.data import DistributedSampler
 
 STEPS, PER_RANK_BATCH, WORLD_SIZE, SHUFFLE_SEED = 10, 8, 2, 8
@@ -24,3 +26,16 @@ def order(rank: int) -> list[int]:
     """The sample indices this rank trains on, in order (PER_RANK_BATCH per step)."""
     sampler = DistributedSampler(range(len(images()[0])), num_replicas=WORLD_SIZE, rank=rank, seed=SHUFFLE_SEED)
     return list(sampler)
+
+
+class Classifier(nn.Module):
+    """Embeds each image in 8 numbers and also looks at the embedding's length (its L2 norm)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.layer = nn.Linear(16, 8, bias=False), nn.Linear(9, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        length = torch.sqrt((h ** 2).sum(1, keepdim=True))
+        return self.layer(torch.cat([h, length], dim=1))

@@ -207,7 +207,9 @@ def memory_explorer() -> Any:
     return _explorer(
         lambda billions, world_size, precision, optimizer, activation_gib: memory_figure(
             billions * 1e9, world_size, precision, optimizer, activation_gib),
-        billions=widgets.FloatLogSlider(value=7, base=10, min=-2, max=3, description="params (B)"),
+        # sizes of common models, so that the explorer opens at exactly the 7 B of the lesson's printed table
+        billions=widgets.SelectionSlider(options=[0.125, 0.35, 1.3, 3, 7, 13, 34, 70, 175, 405, 1000], value=7,
+                                         description="params (B)"),
         world_size=widgets.IntSlider(value=8, min=1, max=512, description="world size"),
         precision=widgets.Dropdown(options=list(PRECISIONS), value="mixed", description="precision"),
         optimizer=widgets.Dropdown(options=list(OPTIMIZER_STATE), value="adam", description="optimizer"),

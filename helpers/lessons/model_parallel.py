@@ -254,12 +254,47 @@ def _your_line(function: Any, error: BaseException) -> str:
     return f" (line {frame.lineno - code.co_firstlineno + 1} of {function.__name__}: `{text}`)"
 
 
+def _micro_batches(count: int) -> str:
+    return f"{count} micro-batch's" if count == 1 else f"{count} micro-batches'"
+
+
+def _asks_for_the_answer(stage_order: Any, *args: int) -> tuple[Any, str | None]:
+    """Call stage_order(*args); also say whether it asked the lesson's schedule model or torch's schedules for
+    1F1B's order (then it returns torch's answer, not a rule of its own). Every Python call made while it runs is
+    seen by a profile function, so calling them under another name or through another module is seen too."""
+    import sys
+
+    import torch.distributed.pipelining.schedules as torch_schedules
+
+    answers = {pipeline_schedule.__code__: "pipeline_schedule", _stage_order.__code__: "pipeline_schedule",
+               torch_1f1b_order.__code__: "torch_1f1b_order", _torch_1f1b_list.__code__: "torch_1f1b_order"}
+    schedules_file = torch_schedules.__file__
+    asked: list[str] = []
+
+    def profile(frame: Any, event: str, _arg: Any) -> None:
+        if event == "call":
+            code = frame.f_code
+            if code in answers:
+                asked.append(answers[code])
+            elif code.co_filename == schedules_file:
+                asked.append("torch's pipelining schedules (Schedule1F1B)")
+
+    previous = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        got = stage_order(*args)
+    finally:
+        sys.setprofile(previous)
+    return got, (asked[0] if asked else None)
+
+
 def check_stage_order(stage_order: Any, ran: dict[tuple[int, int, int], list[str]]) -> bool:
     """Exercise check: does stage_order(stage, stages, microbatches) give the order 1F1B runs on that stage?
 
     `ran` holds what torch's Schedule1F1B ran in this lesson's pipeline run (2 stages); for 3 and 4 stages the
     reference is torch's own `pipeline_order` (`torch_1f1b_order`) for every stage but the last, and the rules
-    below for the last.
+    below for the last. A stage_order that asks pipeline_schedule or torch's schedules for the order is refused:
+    their 1F1B rows are torch's answer, not the learner's rule.
     """
     from helpers.lessons.checks import correct, not_yet
 
@@ -269,10 +304,14 @@ def check_stage_order(stage_order: Any, ran: dict[tuple[int, int, int], list[str
     for stages, microbatches, stage in cases:
         where = f"stage {stage} of {stages}, {microbatches} micro-batches"
         try:
-            got = stage_order(stage, stages, microbatches)
+            got, asked = _asks_for_the_answer(stage_order, stage, stages, microbatches)
         except Exception as error:  # the learner's code: say what it raised, and on which of its lines
             return not_yet(f"{where}: stage_order raised {type(error).__name__}: {error}"
                            f"{_your_line(stage_order, error)}")
+        if asked:
+            return not_yet(f"{where}: stage_order asked {asked} for the order. Its 1F1B rows are read from torch's "
+                           "own Schedule1F1B: returning them passes torch's answer, not yours. Build the list from "
+                           "1F1B's rule (section 4) without calling the lesson's or torch's schedules.")
         if not isinstance(got, list) or not all(isinstance(action, str) for action in got):
             return not_yet(f"{where}: return a list of strings like ['F0', 'F1', 'B0', ...], not {got!r}.")
         wanted = [f"F{i}" for i in range(microbatches)] + [f"B{i}" for i in range(microbatches)]
@@ -293,18 +332,17 @@ def check_stage_order(stage_order: Any, ran: dict[tuple[int, int, int], list[str
         held = _peak_in_flight(got)
         limit = min(microbatches, stages - stage)
         if held != limit:
-            return not_yet(f"{where}: your order holds {held} micro-batches' activations at its peak; 1F1B holds "
+            return not_yet(f"{where}: your order holds {_micro_batches(held)} activations at its peak; 1F1B holds "
                            f"min(m, p - s) = {limit} (how many forwards can stage s run before its first backward "
-                           "is due?). "
-                           f"Got {got}.")
+                           f"is due?). Got {got}.")
         reference = ran.get((stages, microbatches, stage))
-        source = "torch's Schedule1F1B ran in this lesson"
+        source = "torch's Schedule1F1B, run in this lesson, ran"
         if reference is None and stage < stages - 1:
             reference, source = torch_1f1b_order(stages, microbatches, stage), "torch's Schedule1F1B lists"
         if reference is not None and got != reference:
             position = next(i for i, (a, b) in enumerate(zip(got, reference, strict=True)) if a != b)
-            return not_yet(f"{where}: at position {position} you run {got[position]}, {source} "
+            return not_yet(f"{where}: at position {position} you run {got[position]}, where {source} "
                            f"{reference[position]} (after the warm-up, alternate one backward and one forward). "
-                           f"Got {got}, expected {reference}.")
+                           f"Your order up to there: {got[:position + 1]}.")
     return correct(f"stage_order gives 1F1B's order in all {len(cases)} cases: the order torch ran for 2 stages and "
                    "listed for 3 and 4, with min(m, p - s) micro-batches held at most.")

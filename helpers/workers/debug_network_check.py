@@ -8,9 +8,11 @@
 Every rank says where it runs (host, process, device), then two checks with a short timeout, so that a broken link
 fails in seconds instead of hanging: an all-reduce of small numbers whose sum is known (every rank must get it), and
 a timed all-reduce of --megabytes (the bus bandwidth per rank, busbw = bytes x 2(n-1)/n / seconds, as nccl-tests
-report it). A node whose bandwidth is far below its peers', or a subset of nodes that hangs, points at a link or a
-card: run it again on pairs of nodes (or of GPUs, with CUDA_VISIBLE_DEVICES) to find which. With NCCL, add
-NCCL_DEBUG=INFO to see the network it chose (NET/IB or NET/Socket, and the interface). Works with one process.
+report it). The all-reduce ends for every rank together, so within one run every rank reports about the same
+bandwidth: a slow link or card slows them all, and one run cannot say where it is. To find it, run the check on
+pairs (or small subsets) of nodes, or of GPUs with CUDA_VISIBLE_DEVICES, and compare the runs: the slow or hanging
+pair holds it. With NCCL, add NCCL_DEBUG=INFO to see the network it chose (NET/IB or NET/Socket, and the
+interface). Works with one process.
 """
 import argparse
 import os

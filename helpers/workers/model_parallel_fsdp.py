@@ -165,7 +165,8 @@ def main() -> None:
            max_param_diff=max_diff, grad_diffs=grad_diffs, grad_sizes=grad_sizes,
            n_params=sum(q.numel() for q in ddp_model.parameters()),
            bf16_loss_diff=abs(losses["bf16"].item() - losses["fp32"].item()),
-           bf16_sharded_dtype=str(next(bf16_model.parameters()).dtype), meta=meta, device=device.type)
+           bf16_sharded_dtype=str(next(bf16_model.parameters()).dtype), meta=meta, device=device.type,
+           backend=dist.get_backend())
     dist.destroy_process_group()
 
 

@@ -13,7 +13,8 @@ only. Every rank records when its stage computes (wall clock, and this thread's 
 interval) and how many bytes of activations it holds at most. Of the steps after a warm-up it keeps the one
 whose slower rank had the shortest span from its first compute start to its last compute end, so that a moment
 when the machine is busy elsewhere weighs less: a choice by span, not by idle time (the kept step's idle share
-need not be the lowest of the recorded steps), and not an average.
+need not be the lowest of the recorded steps), and not an average; every recorded step's timeline comes back too
+(`every_step`), for tables that show them all.
 It also checks loss and gradients against the unsplit model. Works with one process (a one-stage pipeline).
 Whether micro-batching pays with real compute is model_parallel_pipeline_speed.py's question.
 The timelines are read on the CPU (wall and thread clocks at autograd marks). On gloo/CPU that is when the
@@ -93,7 +94,7 @@ def main() -> None:
     unsplit_loss.backward()
     unsplit_grads = [p.grad for p in split_stages(unsplit, world_size)[rank].parameters()]
 
-    timelines, checks, activations = {}, {}, {}
+    timelines, checks, activations, every_step = {}, {}, {}, {}
     configs = [(name, m) for name in args.schedules for m in args.microbatches
                if not (name == "1f1b" and m < world_size)]  # 1F1B needs at least one micro-batch per stage
     for done, (name, microbatches) in enumerate(configs):
@@ -115,13 +116,14 @@ def main() -> None:
                 recorded.append((events, {"peak": saved.peak, "per_microbatch": saved.bytes / microbatches}))
         key = f"{name} m={microbatches}"
         timelines[key], activations[key] = recorded[fastest_step([events for events, _ in recorded])]
+        every_step[key] = [events for events, _ in recorded]  # all recorded steps, not only the chosen one
         grad_diff = max_abs_diff([p.grad for p in layers.parameters()], unsplit_grads)
         # Equal micro-batches: the mean of their losses is the loss of the whole batch.
         loss_diff = abs(torch.stack(losses).mean().item() - unsplit_loss.item()) if last else None
         checks[key] = {"grad_diff": grad_diff, "loss_diff": loss_diff}
         progress(done + 1, total=len(configs))
-    result(timelines=timelines, checks=checks, activations=activations, loss=unsplit_loss.item(),
-           backend=dist.get_backend(),
+    result(timelines=timelines, every_step=every_step, checks=checks, activations=activations,
+           loss=unsplit_loss.item(), backend=dist.get_backend(),
            threads=torch.get_num_threads())
     dist.destroy_process_group()
 

@@ -14,7 +14,8 @@ each one training step of GPipe:
 The settings take turns (helpers/kit/timing.py: a shuffled order each round, the same on every rank, a barrier
 before each turn), after a warm-up round; each rank times its own step, wall and CPU, and hands the samples back.
 Linux only for the pinned control (os.sched_setaffinity); elsewhere, or with fewer than 2 cores, it is left out.
-On nccl/CUDA the CPU clocks would time the queueing, not the work: time GPU stages with CUDA events.
+gloo and the CPU on every machine, GPUs or not: the question is whether two CPU cores compute at once, and on
+nccl/CUDA these CPU clocks would time the queueing of GPU work, not the work (time GPU stages with CUDA events).
 """
 import argparse
 import os
@@ -72,7 +73,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
 
-    rank, world_size, device = init_distributed()
+    rank, world_size, device = init_distributed("gloo")  # the CPU, also on a GPU machine (see above)
     generator = torch.Generator().manual_seed(0)
     images = torch.rand(args.wide_batch, 1, 28, 28, generator=generator).to(device)
     labels = torch.randint(0, 10, (args.wide_batch,), generator=generator).to(device)

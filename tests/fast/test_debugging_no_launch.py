@@ -1,11 +1,12 @@
 """Lesson 08's helpers without a launch."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from helpers import WORKERS
 from helpers.kit.tensors import checksums
-from helpers.lessons.debugging import check_mystery
+from helpers.lessons.debugging import check_mystery, run_with_progress
 
 COLLECTIVES, DDP_BUGS, MYSTERY = (WORKERS / name for name in ("debug_collectives.py", "debug_ddp.py",
                                                              "debug_mystery.py"))
@@ -48,9 +49,74 @@ def test_checksums_see_swapped_elements_and_equal_tensors_agree():
 
 def test_mystery_check_says_not_yet_on_the_start_and_on_the_loss_log_guess(capsys):
     assert not check_mystery(None, None, None)
-    assert not check_mystery(0, 7, None)
+    assert not check_mystery(0, 7, "PowBackward0")
     out = capsys.readouterr().out.splitlines()
     assert all(line.startswith("Not yet: ") for line in out) and len(out) == 2
+    assert "one step *after* the bad backward" in out[1]
+
+
+def test_mystery_check_gives_no_hint_that_brute_forces_the_rank_or_the_step(capsys):
+    # right step on the wrong rank, right rank on a too-early step, both wrong: the same words, none of them
+    # saying which half is right (2 ranks would take two tries)
+    for rank, step in ((0, 6), (1, 5), (0, 2)):
+        assert not check_mystery(rank, step, "PowBackward0")
+    out = [line.split(" is not where", 1)[1] for line in capsys.readouterr().out.splitlines()]
+    assert len(set(out)) == 1 and "right" not in out[0] and "earlier" not in out[0] and "later" not in out[0], out
+
+
+@pytest.mark.parametrize(("op", "message"), [
+    ("SqrtBackward0", "at 0 sqrt's backward returns inf, not NaN"),  # what the code suggests, not what anomaly says
+    ("MulBackward0", "'MulBackward0' is not the backward function that made the NaN: anomaly mode names it"),
+])
+def test_mystery_check_asks_for_the_op_anomaly_mode_names(capsys, op, message):
+    assert not check_mystery(1, 6, op)
+    out = capsys.readouterr().out
+    assert out.startswith("Not yet: ") and message in out, out
+
+
+def test_mystery_check_asks_for_the_fixed_copy_after_a_right_diagnosis(capsys, tmp_path):
+    assert not check_mystery(1, 6, "'PowBackward0'")  # quotes and all, as anomaly mode prints it
+    assert not check_mystery(1, 6, "PowBackward0", tmp_path / "my_classifier.py")
+    out = capsys.readouterr().out.splitlines()
+    assert "now fix the model in your copy" in out[0] and "there is no file" in out[1], out
+
+
+def test_reference_losses_turn_nan_after_the_planted_step():
+    from helpers.lessons.debugging import planted, reference_losses
+
+    _, step = planted()
+    losses = reference_losses()
+    assert all(loss == loss for r in (0, 1) for loss in losses[r][:step])
+    assert all(loss != loss for r in (0, 1) for loss in losses[r][step:])
+
+
+def test_run_with_progress_speaks_while_it_waits(capsys):
+    import sys
+
+    done = run_with_progress([sys.executable, "-c", "import time; time.sleep(0.5); print('done')"], every=0.2)
+    assert done.returncode == 0 and done.stdout.strip() == "done"
+    assert "still running" in capsys.readouterr().out
+
+
+def test_the_lessons_keep_their_main_lines_short_their_citations_folded_and_their_hand_outs_clean():
+    """The core path (issue 33) for lessons 07 and 08: main-line prose at most 3,500 words and 3 source citations;
+    no listing over 40 lines in a code cell; nothing a student copy lacks."""
+    import json
+    import re
+
+    from helpers import REPO_ROOT
+
+    for name in ("07_model_parallel.ipynb", "08_debugging.ipynb"):
+        notebook = json.loads((REPO_ROOT / "notebooks" / name).read_text(encoding="utf-8"))
+        markdown = "\n".join("".join(c["source"]) for c in notebook["cells"] if c["cell_type"] == "markdown")
+        main = re.sub(r"<details>.*?</details>", "", markdown, flags=re.S)
+        citations = re.findall(r"[\w/]+\.(?:py|cpp|h):\d+", main)
+        assert len(main.split()) <= 3500 and len(citations) <= 3, (name, len(main.split()), citations)
+        assert all(len("".join(c["source"]).splitlines()) <= 40 for c in notebook["cells"]
+                   if c["cell_type"] == "code"), name
+        text = json.dumps(notebook)
+        for absent in ("SEED-CLAIMS", "tests/test_", "tests/fast", "docs/facilitator", "in this copy"):
+            assert absent not in text, (name, absent)
 
 
 def test_main_thread_frames_reads_py_spy_and_faulthandler_and_stops_at_the_script():

@@ -122,6 +122,41 @@ def forgets_last_backward(stage, stages, microbatches):
     return one_f_one_b(stage, stages, microbatches)[:-1]
 
 
+def asks_pipeline_schedule(stage, stages, microbatches):  # the lesson's replay of torch's own listing: its answer
+    return [a for a in pipeline_schedule(stages, microbatches, "1f1b")["slots"][stage] if a]
+
+
+def asks_pipeline_schedule_renamed(stage, stages, microbatches):  # the same, through the module under another name
+    import helpers.lessons.model_parallel as lesson
+
+    replay = lesson.pipeline_schedule
+    return [a for a in replay(stages, microbatches, "1f1b")["slots"][stage] if a]
+
+
+def asks_torch_schedule(stage, stages, microbatches):  # torch's Schedule1F1B, asked directly
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining import Schedule1F1B
+
+    Schedule1F1B(SimpleNamespace(num_stages=stages), n_microbatches=microbatches)
+    return one_f_one_b(stage, stages, microbatches)
+
+
+def simulated_1f1b(stage, stages, microbatches):  # right, built differently: step the rule one action at a time
+    order, forwards, backwards = [], 0, 0
+    while backwards < microbatches:
+        if forwards < microbatches and forwards - backwards < stages - stage:
+            order.append(f"F{forwards}")
+            forwards += 1
+        else:
+            order.append(f"B{backwards}")
+            backwards += 1
+            if forwards < microbatches:
+                order.append(f"F{forwards}")
+                forwards += 1
+    return order
+
+
 def crashes(stage, stages, microbatches):
     raise IndexError("list index out of range")
 
@@ -131,11 +166,15 @@ def crashes(stage, stages, microbatches):
     (gpipe, "stage 0 of 2, 4 micro-batches: your order holds 4 micro-batches' activations at its peak; "
             "1F1B holds min(m, p - s) = 2"),
     (forgets_last_backward, "missing ['B3'], extra or repeated []"),
-    (warmup_too_short, "stage 0 of 2, 4 micro-batches: your order holds 1 micro-batches' activations at its peak; "
+    (warmup_too_short, "stage 0 of 2, 4 micro-batches: your order holds 1 micro-batch's activations at its peak; "
                        "1F1B holds min(m, p - s) = 2"),
     (backward_first, "stage 1 of 2, 4 micro-batches: B0 comes before F0"),
-    (backwards_bunched, "stage 0 of 2, 4 micro-batches: at position 3 you run B1, torch's Schedule1F1B ran in "
-                        "this lesson F2"),
+    (backwards_bunched, "stage 0 of 2, 4 micro-batches: at position 3 you run B1, where torch's Schedule1F1B, run "
+                        "in this lesson, ran F2 (after the warm-up, alternate one backward and one forward). Your "
+                        "order up to there: ['F0', 'F1', 'B0', 'B1']."),
+    (asks_pipeline_schedule, "stage_order asked pipeline_schedule for the order"),
+    (asks_pipeline_schedule_renamed, "stage_order asked pipeline_schedule for the order"),
+    (asks_torch_schedule, "stage_order asked torch's pipelining schedules (Schedule1F1B) for the order"),
     (crashes, "stage_order raised IndexError: list index out of range (line 2 of crashes: "
               "`raise IndexError(\"list index out of range\")`)"),
     (lambda s, p, m: list(reversed(one_f_one_b(s, p, m))), "the forwards must run in micro-batch order"),
@@ -144,6 +183,12 @@ def test_stage_order_check_says_what_is_wrong(capsys, wrong, message):
     assert not check_stage_order(wrong, RAN)
     out = capsys.readouterr().out
     assert out.startswith("Not yet: ") and message in out, out
+
+
+def test_a_wrong_order_hint_shows_the_first_difference_not_the_answer(capsys):
+    assert not check_stage_order(backwards_bunched, RAN)
+    out = capsys.readouterr().out
+    assert "expected" not in out and str(RAN[(2, 4, 0)]) not in out, out
 
 
 def test_the_last_stage_of_four_is_held_to_the_rules(capsys):
@@ -156,6 +201,8 @@ def test_the_last_stage_of_four_is_held_to_the_rules(capsys):
 
 def test_stage_order_check_accepts_1f1b_and_matches_torch(capsys):
     assert check_stage_order(one_f_one_b, RAN)
+    assert capsys.readouterr().out.startswith("Correct: ")
+    assert check_stage_order(simulated_1f1b, RAN)  # the rule stepped action by action: right, built differently
     assert capsys.readouterr().out.startswith("Correct: ")
     for stages, microbatches in ((2, 4), (3, 5), (4, 8)):
         for stage in range(stages - 1):
