@@ -438,7 +438,7 @@ def check_shared_memory(pod: dict) -> None:
     workers: the default 64 MiB is too small)."""
     memory = {v["name"] for v in pod.get("volumes", []) if (v.get("emptyDir") or {}).get("medium") == "Memory"}
     for container in pod.get("containers", []):
-        mounts = {m.get("mountPath"): m.get("name") for m in container.get("volumeMounts", [])}
+        mounts = {(m.get("mountPath") or "").rstrip("/"): m.get("name") for m in container.get("volumeMounts", [])}
         if mounts.get("/dev/shm") not in memory:
             raise ValueError(f"container {container.get('name')!r}: no memory-backed emptyDir "
                              f"(emptyDir: {{medium: Memory}}) mounted at /dev/shm; the default is 64 MiB")
@@ -808,5 +808,10 @@ def check_shared_memory_exercise(add_shared_memory: Any) -> bool:
         check_shared_memory(pod)
     except ValueError as error:
         return not_yet(f"{error}. Mount the memory volume (by its name) at /dev/shm in every container.")
-    return correct("every container mounts a memory-backed emptyDir at /dev/shm, and the pod still matches "
+    if not any((v["emptyDir"] or {}).get("medium") == "Memory" and (v["emptyDir"] or {}).get("sizeLimit")
+               for v in empty):
+        return not_yet("the memory-backed emptyDir has no sizeLimit: without one the tmpfs is bounded only by the "
+                       "node, and what is written there counts against the container's memory limit; give it a "
+                       "bound (sizeLimit: 8Gi, say).")
+    return correct("every container mounts a bounded, memory-backed emptyDir at /dev/shm, and the pod still matches "
                    "the Kubernetes schema.")

@@ -340,9 +340,21 @@ def test_the_checkpoint_claim_must_be_read_write_many():
 
 
 def _shm_solution(pod):
+    pod["volumes"].append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}})
+    for container in pod["containers"]:
+        container["volumeMounts"].append({"name": "dshm", "mountPath": "/dev/shm"})
+
+
+def _unbounded(pod):  # review 06-4: right in every other way, but the tmpfs is bounded only by the node
     pod["volumes"].append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
     for container in pod["containers"]:
         container["volumeMounts"].append({"name": "dshm", "mountPath": "/dev/shm"})
+
+
+def _trailing_slash(pod):  # right but different: Kubernetes mounts /dev/shm/ at /dev/shm
+    pod["volumes"].append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}})
+    for container in pod["containers"]:
+        container["volumeMounts"].append({"name": "dshm", "mountPath": "/dev/shm/"})
 
 
 def _on_disk(pod):
@@ -379,6 +391,7 @@ def _misspelled(pod):
     (_replaces_volumes, "checkpoints volume is gone"),
     (_wrong_name, "by its name"),
     (_misspelled, "schema"),
+    (_unbounded, "no sizeLimit"),
 ])
 def test_shared_memory_exercise_says_not_yet_to_wrong_answers(wrong, words, capsys):
     assert not check_shared_memory_exercise(wrong)
@@ -388,6 +401,7 @@ def test_shared_memory_exercise_says_not_yet_to_wrong_answers(wrong, words, caps
 def test_shared_memory_exercise_accepts_the_solution_in_place_or_returned(capsys):
     assert check_shared_memory_exercise(_shm_solution)
     assert check_shared_memory_exercise(lambda pod: (_shm_solution(pod), pod)[1])
+    assert check_shared_memory_exercise(_trailing_slash)
     assert "Correct" in capsys.readouterr().out
     assert "dshm" not in str(pod_without_shared_memory())
 
