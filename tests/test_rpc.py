@@ -80,6 +80,20 @@ def test_counter_check_names_futures_waited_for_in_the_loop_that_sends_them(tmp_
     assert "is your lock held" not in out, out
 
 
+def test_counter_check_names_a_copy_fetched_with_to_here(tmp_path, capsys):
+    """Review 05-3: counter.to_here() then local calls: the copy's where() reports worker1 (its constructor ran
+    there), so the owner check alone passes it; the hint must name the copy. (No lock: a lock cannot be pickled.)"""
+    script = _variant(tmp_path, "to_here_copy.py", ("with self.lock:", "if True:"),
+                      ("self.lock = threading.Lock()", "self.lock = None"),
+                      ("futures = [counter.rpc_async().add(1) for _ in range(10)]",
+                       "local = counter.to_here()\n        futures = [local.add(1) for _ in range(10)]"),
+                      ("[future.wait() for future in futures]", "futures"),
+                      ("owner=counter.rpc_sync().where()", "owner=local.where()"))
+    assert not check_counter(script)
+    out = capsys.readouterr().out.splitlines()[-1]
+    assert out.startswith("Not yet: ") and "counter.to_here() copies the Counter to worker0" in out, out
+
+
 def test_counter_check_blames_a_lock_held_during_the_slow_work(tmp_path, capsys):
     """The walkthrough's third try: the lock around all of add() serializes the calls again, although they were sent
     with rpc_async; the hint must name the lock, not the sending."""

@@ -54,6 +54,10 @@ def check_counter(script: str | Path, timeout: float = 60) -> bool:
         problems.append(f"the counter was created on {owner!r}: create it on worker1 with rpc.remote(\"worker1\", "
                         "Counter) and call its methods through the RRef (counter.rpc_sync().where() reports where "
                         "it lives)")
+    if "to_here()" in source:  # a copy's where() still says worker1: its constructor ran there
+        problems.append("counter.to_here() copies the Counter to worker0: calls on the copy run there, not on "
+                        "worker1 (the copy's where() still reports worker1, the name its constructor recorded); call "
+                        "through the RRef instead, counter.rpc_async().add(1)")
     if seconds is None or seconds > SERIAL_SECONDS:
         serial = f"the ten add() calls took more than {SERIAL_SECONDS} s, so they ran one after another"
         if "rpc_async" not in source:
