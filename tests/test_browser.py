@@ -3,12 +3,17 @@
 
     pytest -m slow tests/test_browser.py -k "not run_all"    # the smoke set: a worker link, live output, interrupt,
                                                               # kernel restart, the explorers (about a minute)
-    pytest -m slow tests/test_browser.py                     # and Run All of every lesson, from blank copies
+    pytest -m slow tests/test_browser.py                     # and Run All of every lesson, from blank copies, with
+                                                              # its memory against the learner's budget
 
 Needs Chromium from the system's packages (`apt-get install chromium`) and the `playwright` Python
 package, which drives it through `executable_path` (no browser download). Without them every test here
 is skipped with one line saying why. JupyterLab runs with `--LabApp.expose_app_in_browser=True`, so
 the tests call the same commands a learner clicks (`notebook:run-all-cells`, `notebook:interrupt-kernel`).
+
+Each lesson's Run All is also its memory check: `helpers.tools.sizing`'s sampler reads the PSS of the lesson's
+kernel and everything it starts every 0.2 s, and the peak plus this JupyterLab server (measured idle, as sizing
+measures one) must stay within sizing's budget. `python -m helpers.tools.sizing` prints the same row for a teacher.
 """
 from __future__ import annotations
 
@@ -23,12 +28,13 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import NamedTuple
 
 import psutil
 import pytest
 
 from helpers import REPO_ROOT as ROOT
-from helpers.tools import workshop
+from helpers.tools import sizing, workshop
 
 CHROMIUM = os.environ.get("LESSONS_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
 playwright = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
@@ -85,6 +91,12 @@ def lab_root(tmp_path_factory) -> Path:
     return root
 
 
+class Lab(NamedTuple):
+    url: str
+    server: psutil.Process
+    idle_mib: float  # the server's PSS once it has served /lab and before any notebook opens
+
+
 @pytest.fixture(scope="module")
 def lab(lab_root):
     """A JupyterLab server on a free loopback port; stopped (kernels and all) after the module."""
@@ -107,7 +119,8 @@ def lab(lab_root):
     else:
         server.kill()
         pytest.fail(f"JupyterLab did not start in 60 s; see {lab_root / 'lab.log'}")
-    yield url, psutil.Process(server.pid)
+    handle = psutil.Process(server.pid)
+    yield Lab(url, handle, sizing.idle_server_mib(handle, f"{url}/lab?token={TOKEN}"))
     server.terminate()
     server.wait(timeout=30)
     log.close()
@@ -150,7 +163,7 @@ def _own_kernel(page, server: psutil.Process) -> psutil.Process:
 
 def _open(browser, lab, name: str):
     """A new page with notebook `name` open and its kernel idle."""
-    url, _ = lab
+    url = lab.url
     page = browser.new_page()
     # reset: a fresh workspace, so JupyterLab does not reopen (and start kernels for) earlier tests' notebooks
     page.goto(f"{url}/lab/tree/notebooks/{name}?reset&token={TOKEN}")
@@ -163,7 +176,7 @@ def _open(browser, lab, name: str):
 def _close(page, lab) -> None:
     """Shut the notebook's kernel down (as File > Close and Shut Down does) and close the page: the kernel
     and everything it started must be gone."""
-    url, server = lab
+    url, server = lab.url, lab.server
     kernel = _own_kernel(page, server)
     tree = {p.pid for p in [kernel, *kernel.children(recursive=True)]}
     kernel_id = page.evaluate("() => window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.id")
@@ -258,9 +271,11 @@ def _descendants_alive(pids: set[int]) -> list[str]:
     return alive
 
 
-def run_all(browser, lab, name: str) -> float:
-    """Run All in JupyterLab; every code cell must run, no error outside `raises-exception` cells."""
+def run_all(browser, lab, name: str) -> tuple[float, dict]:
+    """Run All in JupyterLab; every code cell must run, no error outside `raises-exception` cells. Returns the
+    seconds it took and sizing's figures for the kernel's process tree meanwhile (peak PSS, by kind, processes)."""
     page = _open(browser, lab, name)
+    sampler = sizing.PeakSampler(_own_kernel(page, lab.server), include_root=True).start()
     started = time.monotonic()
     _command(page, "notebook:run-all-cells")
     try:
@@ -268,23 +283,30 @@ def run_all(browser, lab, name: str) -> float:
                       BUDGET_SECONDS, f"{name}: Run All did not reach every cell")
     finally:
         seconds = time.monotonic() - started
+        figures = sampler.stop()
         _close(page, lab)
     unexpected = [(c["source"], o["ename"], o["evalue"][:200]) for c in state["cells"] for o in c["outputs"]
                   if o["output_type"] == "error" and "raises-exception" not in c["tags"]]
     assert not unexpected, f"{name}: errors in cells that should not raise: {unexpected}"
-    return seconds
+    return seconds, {**figures, "errors": False, "wall seconds": seconds}
 
 
 @pytest.mark.parametrize("name", LESSONS)
-def test_run_all_lesson(browser, lab, name):
-    seconds = run_all(browser, lab, name)
-    print(f"\n{name}: Run All took {seconds:.0f} s in JupyterLab")
+def test_run_all_lesson_within_the_memory_budget(browser, lab, name):
+    """A learner's Run All of the lesson, and what it costs: the peak PSS of the kernel's tree plus the idle
+    JupyterLab server within sizing.BUDGET_MIB (docs/facilitator.md, "What one learner costs a machine")."""
+    seconds, figures = run_all(browser, lab, name)
+    line, over = sizing.row(name, figures, lab.idle_mib, sizing.BUDGET_MIB)
+    print(f"\n{name}: Run All took {seconds:.0f} s in JupyterLab; JupyterLab server idle {lab.idle_mib:.0f} MiB, "
+          f"now {sizing.tree_mib(lab.server):.0f} MiB\n{sizing.header()}\n{line}")
+    assert figures["peak processes"] >= 1 and figures["at peak"]["kernel"] > 0, f"the sampler saw no kernel: {line}"
+    assert not over, f"over the budget of {sizing.BUDGET_MIB} MiB with the Jupyter server:\n{sizing.header()}\n{line}"
 
 
 def test_a_link_to_a_worker_opens_the_worker_file(browser, lab):
     """Lessons link to their workers as ../helpers/workers/NAME.py: with the server rooted at the repository (as
     the README starts it), a click opens the file in JupyterLab."""
-    url, _ = lab
+    url = lab.url
     page = browser.new_page()
     try:
         page.goto(f"{url}/lab/tree/notebooks/02_ddp.ipynb?reset&token={TOKEN}")
@@ -302,7 +324,7 @@ def test_a_link_to_a_worker_opens_the_worker_file(browser, lab):
 
 def test_live_output_interrupt_and_next_launch(browser, lab):
     page = _open(browser, lab, "scratch.ipynb")
-    _, server = lab
+    server = lab.server
     try:
         _command(page, "notebook:run-cell")
         # live: rank-labelled ticks appear while the cell is still running (a buffered launcher shows none)
@@ -333,7 +355,7 @@ def test_live_output_interrupt_and_next_launch(browser, lab):
 
 def test_kernel_restart_during_a_launch_leaves_nothing(browser, lab):
     page = _open(browser, lab, "scratch.ipynb")
-    _, server = lab
+    server = lab.server
     try:
         _command(page, "notebook:run-cell")
         _wait(page, lambda s: "tick 2 from rank 0" in _text(s["cells"][0]["outputs"]), 90, "ticks before restart")

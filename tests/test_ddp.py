@@ -1,8 +1,10 @@
 """Lesson 02's launches that the lesson does not assert: ddp_train.py's --steps and its one-process command, the
 one-process reference of the exercise's check, and the check's "Not yet" to wrong workers (a missing DDP, a wrong
-batch, a shuffled sampler, a missing or unaveraged all_reduce, a hang, a collective on rank 0 only, prints on every
-rank, a crash in the learner's own line). The check on the starting code and on both solutions is asserted by the lesson
-(notebooks/02_ddp.ipynb, nbval's Cells 42 and 43); what launches nothing is in tests/fast/test_ddp_no_launch.py."""
+batch, a shuffled sampler, a missing or unaveraged all_reduce, the weights averaged instead of the gradients, ranks
+seeded differently without a broadcast, zero_grad after the step, no process group, a hang, a collective on rank 0
+only, prints on every rank, a crash in the learner's own line) and its "Correct" to right answers built differently.
+The check on the starting code and on both solutions is asserted by the lesson (notebooks/02_ddp.ipynb, the
+exercise's cells); what launches nothing is in tests/fast/test_ddp_no_launch.py."""
 import os
 import subprocess
 import sys
@@ -58,6 +60,33 @@ def _attempt(tmp_path, solution: str, mistake: str, replacement: str):
     # by hand: the sum of the gradients, not their mean, is a step twice as large
     ("ddp_exercise_by_hand_solution.py", "parameter.grad /= world_size", "pass",
      "summed over the ranks and not averaged: divide the all_reduce's sum by world_size"),
+    # by hand: the WEIGHTS averaged after each step, not the gradients before it (the same end with plain SGD)
+    ("ddp_exercise_by_hand_solution.py",
+     "        for parameter in model.parameters():  # what DDP does during backward: average the gradients\n"
+     "            dist.all_reduce(parameter.grad)  # the sum over the ranks ...\n"
+     "            parameter.grad /= world_size  # ... divided: the mean of the per-rank means, one big batch's\n"
+     "        optimizer.step()\n", """        optimizer.step()
+        with torch.no_grad():
+            for parameter in model.parameters():
+                dist.all_reduce(parameter.data)
+                parameter.data /= world_size
+""", "the ranks averaged something after optimizer.step(), the weights perhaps, not the gradients before it"),
+    # by hand: every rank seeded by its rank, and no broadcast of rank 0's weights
+    ("ddp_exercise_by_hand_solution.py", """    torch.manual_seed(0)
+    model = build_model("simple").to(device)
+    for parameter in model.parameters():  # what DDP's constructor does: everyone starts from rank 0's weights
+        dist.broadcast(parameter.data, src=0)
+""", """    torch.manual_seed(rank)
+    model = build_model("simple").to(device)
+""", "they started from different weights. Start every rank from rank 0's weights: dist.broadcast(parameter.data"),
+    # zero_grad() moved after the step: .grad is None when result() reads it
+    ("ddp_exercise_solution.py", """        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+""", """        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+""", "keep optimizer.zero_grad() before loss.backward()"),
 ])
 
 
@@ -65,6 +94,33 @@ def test_exercise_check_names_what_is_missing(tmp_path, capsys, solution, mistak
     assert not check_ddp_worker(_attempt(tmp_path, solution, mistake, replacement))
     out = capsys.readouterr().out
     assert "\nNot yet: " in out and message in out
+
+
+@pytest.mark.parametrize("solution, mistake, replacement", [
+    # DDP broadcasts rank 0's weights when it wraps the model: seeding each rank differently is harmless
+    ("ddp_exercise_solution.py", "torch.manual_seed(0)", "torch.manual_seed(rank)"),
+    # by hand with the broadcast: the same
+    ("ddp_exercise_by_hand_solution.py", "torch.manual_seed(0)", "torch.manual_seed(rank)"),
+])
+def test_exercise_check_accepts_right_answers_built_differently(tmp_path, capsys, solution, mistake, replacement):
+    assert check_ddp_worker(_attempt(tmp_path, solution, mistake, replacement))
+    assert "\nCorrect: " in capsys.readouterr().out
+
+
+def test_exercise_check_names_the_missing_process_group(tmp_path, capsys):
+    """A learner's script without init_process_group: the first line that needs the group (DistributedSampler, which
+    asks it for the world size) raises, and the message names that line of the learner's and torch's error."""
+    script = _attempt(tmp_path, "ddp_exercise_solution.py",
+                      '    dist.init_process_group("nccl" if use_cuda else "gloo")\n'
+                      "    rank, world_size = dist.get_rank(), dist.get_world_size()\n",
+                      '    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])\n')
+    lines = script.read_text().splitlines()
+    line = next(number for number, text in enumerate(lines, 1) if "DistributedSampler(" in text)
+    assert not check_ddp_worker(script)
+    verdict = capsys.readouterr().out
+    verdict = verdict[verdict.index("Not yet: "):]
+    assert verdict.startswith("Not yet: your script crashed on rank ")
+    assert f"attempt.py:{line} (in main)" in verdict and "Default process group has not been initialized" in verdict
 
 
 def test_exercise_check_says_where_each_rank_waits_when_the_script_hangs(tmp_path, capsys):

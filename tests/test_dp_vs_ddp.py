@@ -30,7 +30,7 @@ def test_overlap_worker_takes_turns_and_returns_profiled_steps_with_every_kind_o
             assert {e["kind"] for e in events} == {"backward", "all-reduce issued", "all-reduce running"}
     assert all(len(spans["wall"]) == len(spans["cpu"]) == 5 for spans in res["backward"].values())
     timings = across_ranks([run.results[rank]["timings"] for rank in (0, 1)])
-    assert sorted(timings) == ["1 bucket", "4 buckets", "4 buckets, no all-reduce"]
+    assert sorted(timings) == ["1 bucket", "4 buckets", "4 buckets, Python all-reduce hook", "4 buckets, no all-reduce"]
     assert all(len(t.wall) == len(t.cpu) == 5 for t in timings.values())
 
 

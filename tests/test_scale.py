@@ -10,6 +10,7 @@ from helpers.lessons.scale import (
     ORDER_PROBE,
     compare_twin,
     first_differing_output,
+    increment_report,
     step_time_analysis,
     twin_record,
 )
@@ -57,7 +58,8 @@ def test_twin_worker_runs_as_one_plain_process():
 def test_step_time_worker_takes_turns_for_every_setting_on_every_rank():
     run = launch(WORKERS / "scale_step_time.py", nproc=2, echo=False,
                  args=["--width", 64, "--layers", 2, "--batch", 8, "--rounds", 5, "--warmup", 1])
-    names = {f"all_reduce {size}" for size in run.results[0]["sizes"]} | {"matmul", "adam full", "adam shard"}
+    names = {f"all_reduce {size}" for size in run.results[0]["sizes"]} | {"matmul"}
+    names |= {f"adam {mode}" for mode in ("local", "fsdp", "fsdp_alone")}  # each set-up's optimizer step alone
     names |= {f"step {mode}" for mode in ("local", "ddp", "fsdp", "fsdp_alone")}
     for rank in (0, 1):
         timings = run.results[rank]["timings"]
@@ -67,3 +69,4 @@ def test_step_time_worker_takes_turns_for_every_setting_on_every_rank():
     assert measured["n_params"] == 2 * (64 * 64 + 64) and measured["tensors"] == 4
     analysis = step_time_analysis(run.results)
     assert analysis["rounds"] == 5 and set(analysis["verdicts"]) == {"ddp", "fsdp_alone", "fsdp"}
+    assert len(increment_report(analysis)) == 4 * 3  # each increment: its name, its verdict, per round, CPU

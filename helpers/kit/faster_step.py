@@ -13,11 +13,10 @@
 - `still_working(what)`: a line at once, then one every few seconds, while a compile runs.
 - `GraphCounter`: a torch.compile backend that records each graph dynamo hands it (parameters, operations,
   collectives) and then runs torch's own backend on it ("aot_eager" by default, "inductor" for real code).
-- `HookTimeline` and `timeline_hook`: a DDP comm hook around torch's allreduce_hook that records, with
-  time.perf_counter, when DDP called it for each bucket and when the all-reduce's future completed (our instrument,
-  beside the profiler's events).
-- `exact_average`, `flat_grad`, `relative_error`: the lesson's gradient error, ||got - exact|| / ||exact||, against
-  the exact average of the ranks' gradients.
+- `local_gradient`, `average`, `exact_average`, `flat_grad`, `relative_error`, `fit_residual`: the lesson's gradient
+  error, ||got - exact|| / ||exact||, against the exact average of the ranks' gradients (over a process group), and
+  how close a gradient is to a multiple of another (the exercise's check names a mistake by it).
+- `synchronize(device)`: before a clock is read on a GPU (a no-op on the CPU).
 - `release(...)`: what a worker with comm hooks does before destroy_process_group (see its docstring).
 
 No `from __future__ import annotations` here: DDP checks a comm hook's return annotation when it is registered.
@@ -36,7 +35,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from helpers.kit.data import digits_as_mnist
 
@@ -84,16 +82,17 @@ def build_model(width: int = 256, depth: int = 2, seed: int = 0) -> StepModel:
     return StepModel(width, depth)
 
 
-def digits_batches(rank: int, per_rank_batch: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def digits_batches(rank: int, per_rank_batch: int, count: int, device: torch.device | str = "cpu"
+                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """`count` batches of the handwritten digits that ship with the lessons, a different slice on each rank (the same
-    on every machine: no download)."""
+    on every machine: no download), on `device`."""
     images, labels = digits_as_mnist(train=True)
     generator = torch.Generator().manual_seed(rank)
     order = torch.randperm(len(labels), generator=generator)
     batches = []
     for index in range(count):
         take = order[(torch.arange(per_rank_batch) + index * per_rank_batch) % len(labels)]
-        batches.append((images[take], labels[take]))
+        batches.append((images[take].to(device), labels[take].to(device)))
     return batches
 
 
@@ -166,33 +165,6 @@ class GraphCounter:
         return self.compile(graph_module, example_inputs)
 
 
-class HookTimeline:
-    """State for `timeline_hook`: when DDP handed each bucket to the hook, and when its all-reduce completed, in
-    seconds of time.perf_counter (our instrument: Python code that runs inside the backward it measures)."""
-
-    def __init__(self) -> None:
-        self.spans: list[dict[str, Any]] = []
-
-    def take(self) -> list[dict[str, Any]]:
-        spans, self.spans = self.spans, []
-        return spans
-
-
-def timeline_hook(state: HookTimeline, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """torch's allreduce_hook, with the moment it was called and the moment its future completed recorded."""
-    span = {"bucket": bucket.index(), "bytes": bucket.buffer().numel() * bucket.buffer().element_size(),
-            "called": time.perf_counter()}
-    state.spans.append(span)
-
-    def completed(future: torch.futures.Future) -> torch.Tensor:
-        span["completed"] = time.perf_counter()
-        return future.value()
-
-    future = default_hooks.allreduce_hook(None, bucket)
-    span["returned"] = time.perf_counter()
-    return future.then(completed)
-
-
 def release(*holders: Any) -> None:
     """Before destroy_process_group: drop DDP models with comm hooks (and whatever holds them), collect them on the
     main thread, and let gloo's threads finish a barrier, so that they let go of the callbacks of past all-reduces
@@ -213,18 +185,46 @@ def flat_grad(model: nn.Module) -> torch.Tensor:
                       for p in model.parameters()])
 
 
-def exact_average(reference: nn.Module, weights: dict, batch: tuple, world_size: int) -> torch.Tensor:
-    """The gradient an uncompressed all-reduce gives: `reference` takes `weights`, runs `batch`, and its flat gradient
-    is summed over ranks and divided by the world size (one all-reduce, outside any hook)."""
+def local_gradient(reference: nn.Module, weights: dict, batch: tuple) -> torch.Tensor:
+    """This rank's own flat gradient: `reference` takes `weights` and runs `batch` (no communication)."""
     reference.load_state_dict(weights)
     reference.zero_grad(set_to_none=True)
     images, labels = batch
     nn.functional.cross_entropy(reference(images), labels).backward()
-    gradient = flat_grad(reference)
-    dist.all_reduce(gradient)
-    return gradient / world_size
+    return flat_grad(reference)
+
+
+def average(gradient: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The exact average of `gradient` over the ranks of `group` (None: every rank): one float32 all-reduce of a
+    copy, outside any hook, divided by the group's size."""
+    summed = gradient.clone()
+    dist.all_reduce(summed, group=group)
+    return summed / dist.get_world_size(group)
+
+
+def exact_average(reference: nn.Module, weights: dict, batch: tuple, group: dist.ProcessGroup | None = None
+                  ) -> torch.Tensor:
+    """The gradient an uncompressed all-reduce gives: the ranks' own gradients at `weights` on their `batch`,
+    averaged over `group` (local_gradient, then average)."""
+    return average(local_gradient(reference, weights, batch), group)
 
 
 def relative_error(got: torch.Tensor, exact: torch.Tensor) -> float:
     """||got - exact|| / ||exact||."""
     return ((got - exact).norm() / exact.norm()).item()
+
+
+def fit_residual(got: torch.Tensor, target: torch.Tensor) -> float:
+    """How far `got` is from any multiple of `target`: ||got - c target|| / ||got|| for the best c (0: `got` is
+    `target` scaled; 1: nothing of `target` in it)."""
+    if got.norm() == 0 or target.norm() == 0:
+        return 1.0
+    scale = torch.dot(got, target) / torch.dot(target, target)
+    return ((got - scale * target).norm() / got.norm()).item()
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the GPU's queued work before a clock is read (CUDA runs kernels after the call returns); a no-op on
+    the CPU, where every operation has finished when it returns."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

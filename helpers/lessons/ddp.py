@@ -163,13 +163,20 @@ def _run_together(commands: dict[str, list[str]], timeout: float, say_every: flo
     return {name: process.communicate()[0] for name, process in running.items()}
 
 
-def fork_probe() -> dict[str, str]:
-    """ddp_fork_probe.py's child's line for each question the parent asked before it forked (three processes)."""
+def fork_probe() -> dict[str, dict]:
+    """For each question the parent asked before it forked (three processes of ddp_fork_probe.py at once): the
+    child's line ("said"), and whether NVML could count the GPUs on this machine ("nvml_counted"), which decides
+    whether device_count() poisoned the fork."""
     from helpers.kit import WORKERS
 
     questions = ("nothing", "is_available", "device_count")
     said = _run_together({q: [str(WORKERS / "ddp_fork_probe.py"), q] for q in questions}, timeout=120)
-    return {question: said[question].strip().splitlines()[-1] for question in questions}
+    found = {}
+    for question in questions:
+        lines = said[question].strip().splitlines()
+        child = next(line for line in lines if line.startswith("child: "))
+        found[question] = {"said": child, "nvml_counted": "nvml counted: yes" in lines}
+    return found
 
 
 def torchrun_failure_reports() -> dict[str, str]:
@@ -208,17 +215,20 @@ def failure_report(output: str) -> str:
 
 def step_settings(model: str, world_size: int = 2, global_batch: int = 64) -> dict[str, str]:
     """ddp_step_time.py's setting names for one model, by role."""
-    return {"ddp": f"{model}, DDP, {world_size} ranks", "quiet": f"{model}, DDP, no all-reduce",
-            "bare": f"{model}, all-reduce alone", "half": f"{model}, 1 rank, batch {global_batch // world_size}",
-            "one": f"{model}, 1 rank, 1 thread", "two_threads": f"{model}, 1 rank, 2 threads"}
+    return {"ddp": f"{model}, DDP, {world_size} ranks", "python_hook": f"{model}, DDP, Python all-reduce hook",
+            "quiet": f"{model}, DDP, no all-reduce", "bare": f"{model}, all-reduce alone",
+            "half": f"{model}, 1 rank, batch {global_batch // world_size}", "one": f"{model}, 1 rank, 1 thread",
+            "two_threads": f"{model}, 1 rank, 2 threads"}
 
 
 def said(found: Verdict, prefix: str = "") -> str:
-    """A verdict in a few words: which is faster and by how much, or "not distinguishable on this machine"; `prefix`
-    (a model's name and comma, say) is left out of the setting's name."""
+    """A verdict in a few words: which is faster (wall time) or uses less CPU time (CPU time), and by how much, or
+    "not distinguishable on this machine"; `prefix` (a model's name and comma, say) is left out of the setting's
+    name."""
     if not found.distinguishable:
         return NOT_DISTINGUISHABLE
-    return f"{found.faster.removeprefix(prefix)} is faster, {found.ratio:.2f}x"
+    how = "uses less CPU time" if " uses less CPU time than " in found.sentence else "is faster"
+    return f"{found.faster.removeprefix(prefix)} {how}, {found.ratio:.2f}x"
 
 
 def print_timings(timings: dict[str, Timing], prefix: str = "", indent: str = "  ") -> None:
@@ -231,26 +241,33 @@ def print_timings(timings: dict[str, Timing], prefix: str = "", indent: str = " 
 def read_step_times(timings: dict[str, Timing], parameters: dict[str, int]) -> dict[str, dict[str, Verdict]]:
     """Print ddp_step_time.py's timings per model (median and spread of the rounds, wall and CPU time) and the
     verdicts of the comparisons that matter; return the verdicts, by model and question.
-    The questions: is DDP on 2 ranks faster than 1 process (wall)? are 2 threads faster than 1? what does the
-    all-reduce cost (DDP against DDP with a hook that sends nothing, wall and CPU)? what do 2 processes cost
-    (no all-reduce against 1 rank at the per-rank batch, wall)?"""
+    The questions: is DDP on 2 ranks faster than 1 process (wall)? are 2 threads faster than 1, and do they use more
+    CPU time? what does the all-reduce cost (a Python hook that all-reduces against one that sends nothing, wall and
+    CPU)? what does the Python hook cost (DDP's built-in hook against it)? what do 2 processes cost (no all-reduce
+    against 1 rank at the per-rank batch, wall)? is the all-reduce alone as slow as one rank's whole step (wall)?"""
     verdicts = {}
     for model, title in (("simple", "the article's model"), ("cnn", "the CNN")):
         names = step_settings(model)
         print(f"{title} ({parameters[model]:,} gradients to all-reduce per step), per step, median of "
               f"{len(timings[names['one']].wall)} rounds (lowest-highest):")
         print_timings({name: timings[name] for name in names.values()}, prefix=f"{model}, ")
-        found = {"ddp": verdict(timings[names["ddp"]], timings[names["one"]]),
-                 "threads": verdict(timings[names["two_threads"]], timings[names["one"]]),
-                 "all-reduce": verdict(timings[names["ddp"]], timings[names["quiet"]]),
-                 "all-reduce cpu": verdict(timings[names["ddp"]], timings[names["quiet"]], kind="cpu"),
-                 "processes": verdict(timings[names["quiet"]], timings[names["half"]])}
+        pairs = {"ddp": ("ddp", "one", "wall"), "threads": ("two_threads", "one", "wall"),
+                 "threads cpu": ("two_threads", "one", "cpu"), "all-reduce": ("python_hook", "quiet", "wall"),
+                 "all-reduce cpu": ("python_hook", "quiet", "cpu"), "hook": ("ddp", "python_hook", "wall"),
+                 "hook cpu": ("ddp", "python_hook", "cpu"), "processes": ("quiet", "half", "wall"),
+                 "communicating": ("bare", "one", "wall")}
+        found = {key: verdict(timings[names[first]], timings[names[second]], kind=kind)
+                 for key, (first, second, kind) in pairs.items()}
         short = {key: said(value, f"{model}, ") for key, value in found.items()}
         print(f"  DDP on 2 ranks against 1 rank, 1 thread (wall): {short['ddp']}\n"
-              f"  2 threads against 1 thread, one process (wall): {short['threads']}\n"
-              f"  the all-reduce's cost, DDP against DDP without it: wall: {short['all-reduce']}; "
+              f"  2 threads against 1 thread, one process: wall: {short['threads']}; CPU: {short['threads cpu']}\n"
+              f"  the all-reduce's cost, Python all-reduce hook against no all-reduce: wall: {short['all-reduce']}; "
               f"CPU: {short['all-reduce cpu']}\n"
-              f"  2 processes' cost, no all-reduce against 1 rank at batch 32 (wall): {short['processes']}")
+              f"  the Python hook's cost, DDP's built-in hook against it: wall: {short['hook']}; "
+              f"CPU: {short['hook cpu']}\n"
+              f"  2 processes' cost, no all-reduce against 1 rank at batch 32 (wall): {short['processes']}\n"
+              f"  communicating against computing, all-reduce alone against 1 rank's whole step (wall): "
+              f"{short['communicating']}")
         verdicts[model] = found
     return verdicts
 
@@ -315,7 +332,10 @@ def check_ddp_worker(script: str | Path, nproc: int = 2, timeout: float = 60) ->
 
     Prints one line, "Correct: ..." or "Not yet: ...". The untouched starting script gets "Not yet":
     on 2 ranks it runs twice, each copy on all the data. Both ways of averaging pass: DDP, or all_reduce
-    of every gradient by hand (ddp_exercise_solution.py, ddp_exercise_by_hand_solution.py).
+    of every gradient by hand (ddp_exercise_solution.py, ddp_exercise_by_hand_solution.py). Each rank's .grad
+    after the last step tells the gradients' average (equal on every rank) from the weights' average (equal
+    weights from each rank's own gradients: the same end with plain SGD, not in general) and from a missing
+    common start (equal gradients, different weights).
     """
     from helpers.launcher.api import LaunchTimeout, WorkerFailed, launch
 
@@ -340,18 +360,40 @@ def check_ddp_worker(script: str | Path, nproc: int = 2, timeout: float = 60) ->
                            "must call the same collectives in the same order (is one inside `if rank == 0:`?)."
                            + folder)
         return not_yet_crashed(error, "your script")
-    if sorted(run.results) != list(range(nproc)) or any("weights" not in r for r in run.results.values()):
-        return not_yet("every rank must call result(weights=..., samples_seen=...) as the original script does.")
+    missing = any({"weights", "gradients"} - set(r) for r in run.results.values())
+    if sorted(run.results) != list(range(nproc)) or missing:
+        return not_yet("every rank must call result(weights=..., gradients=..., samples_seen=...) as the original "
+                       "script does.")
     seen = [run.results[rank]["samples_seen"] for rank in range(nproc)]
     total, share = reference["samples_seen"], reference["samples_seen"] // nproc
     if seen != [share] * nproc:  # the unchanged script: every rank trains on all the data
         return not_yet(f"the ranks trained on {seen} samples; each should train on its own {share} of the "
                        f"{total}: give each rank its share with DistributedSampler.")
+    empty = [rank for rank in range(nproc) if any(g is None for g in run.results[rank]["gradients"])]
+    if empty:  # .grad is None when result() reads it: zero_grad() moved after the step
+        return not_yet(f"on rank {empty[0]} a parameter's .grad was None when result(...) read it: keep "
+                       f"optimizer.zero_grad() before loss.backward(), as the original does, so that .grad still holds "
+                       f"the last step's gradient at the end.")
+    gradients = {rank: flat([torch.tensor(g) for g in run.results[rank]["gradients"]]) for rank in range(nproc)}
     rank_diff = max(max_abs_diff(run.results[r]["weights"], run.results[0]["weights"]) for r in range(nproc))
-    if rank_diff != 0:  # sharded but not synchronised: each rank learns from its half only
+    gradient_diff = max(max_abs_diff(gradients[r], gradients[0]) for r in range(nproc))
+    if gradient_diff > 1e-6 and rank_diff != 0:  # sharded but not synchronised: each rank learns from its half only
         return not_yet(f"the ranks end with different weights (max abs diff {rank_diff:.1e}): wrap the model in "
                        f"DistributedDataParallel so that every step averages the gradients (or, by hand: after "
                        f"backward(), all_reduce every parameter's .grad and divide it by world_size).")
+    if gradient_diff > 1e-6:  # equal weights from different gradients: something else was averaged after the step
+        return not_yet(f"the ranks end with equal weights, but after the last step each rank's .grad is still its "
+                       f"own (the ranks' gradients differ by up to {gradient_diff:.1e}): the ranks averaged something "
+                       f"after optimizer.step(), the weights perhaps, not the gradients before it. With plain SGD "
+                       f"that ends in the same weights, because SGD's step is linear in the gradient; with an "
+                       f"optimizer that is not (Adam, or gradient clipping) it does not. Average the gradients before "
+                       f"optimizer.step(): wrap the model in DistributedDataParallel, or all_reduce every .grad after "
+                       f"backward() and divide it by world_size.")
+    if rank_diff != 0:  # the same averaged gradients applied to different weights: no common start
+        return not_yet(f"the ranks averaged their gradients (every rank's .grad is the same), but they end with "
+                       f"different weights (max abs diff {rank_diff:.1e}): they started from different weights. Start "
+                       f"every rank from rank 0's weights: dist.broadcast(parameter.data, src=0) for every parameter "
+                       f"before training, as DDP does when it wraps the model. (Did you seed each rank differently?)")
     diff = max_abs_diff(run.results[0]["weights"], reference["weights"])
     advice = _which_mistake(run.results[0]["weights"]) if diff >= 1e-5 and nproc == 2 else None
     if advice:  # the weights match one process making one of the usual mistakes

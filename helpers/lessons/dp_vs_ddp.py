@@ -9,6 +9,8 @@ helpers/kit/instruments.py.
 """
 from __future__ import annotations
 
+import math
+import traceback
 from collections.abc import Callable, Sequence
 
 import torch
@@ -40,30 +42,78 @@ def measured_traffic(module: nn.Module, num_devices: int, batch: int = 12) -> di
     return {"weights_out": report.reduce["bytes_copied"], "grads_back": report.reduce["bytes_from_other_devices"]}
 
 
+# The formulas a learner writes on the way, each with what it gets wrong (P: parameter bytes, n: devices)
+TRAFFIC_MISTAKES: tuple[tuple[Callable[[int, int], float], str], ...] = (
+    (lambda p, n: (n - 1) * p, "that is only the weights going out; the gradients come back to device 0 too."),
+    (lambda p, n: 2 * n * p, "device 0 keeps the module's own weights: nothing is copied to or from it."),
+    (lambda p, n: (2 * n - 1) * p, "the weights go out to n - 1 devices, not n: device 0 keeps the module's own "
+                                   "tensors and gets no copy."),
+    (lambda p, n: 2 * (n - 1) / n * p, "that is what a ring all-reduce puts through each link (DDP's way, lesson 01). "
+                                       "DataParallel does no all-reduce: it copies the weights from device 0 to the "
+                                       "others and sums their gradients back onto it."),
+    (lambda p, n: 2 * (n - 1) * p / 4, "a quarter of the bytes: parameter_bytes is already in bytes, so do not divide "
+                                       "by the 4 bytes of a float32."),
+    (lambda p, n: 2 * (n - 1) * p * 4, "four times the bytes: parameter_bytes is already in bytes, so do not multiply "
+                                       "by the 4 bytes of a float32."),
+)
+
+
+def _same(answer: float, value: float) -> bool:
+    return math.isclose(answer, value, rel_tol=1e-9, abs_tol=1.0)  # a rounded int matches a formula's float
+
+
+def _where(function: Callable, error: BaseException) -> str:
+    """ ' (line N of your function)': the last line of `function` that the error passed through, counted from its
+    `def`, or '' when none did."""
+    code = getattr(function, "__code__", None)
+    frames = [frame for frame in traceback.extract_tb(error.__traceback__)
+              if code is not None and frame.filename == code.co_filename and frame.lineno >= code.co_firstlineno]
+    if not frames:
+        return ""
+    text = f": {frames[-1].line}" if frames[-1].line else ""
+    return f" (line {frames[-1].lineno - code.co_firstlineno + 1} of your {function.__name__}{text})"
+
+
 def check_traffic(traffic: Callable[[int, int], int]) -> bool:
     """The exercise's check: does traffic(parameter_bytes, num_devices) give the bytes DP moves per iteration?
 
-    Compared with what our rebuild's Broadcast copied and received (measured_traffic)."""
+    Compared with what our rebuild's Broadcast copied and received (measured_traffic), for two models on 2, 3 and 4
+    devices; a wrong answer is matched, over every case, against the formulas in TRAFFIC_MISTAKES."""
+    cases = []
     for name, build in (("SimpleModel", SimpleModel), ("mlp(256, 14)", lambda: mlp(256, 14))):
         model = build()
         parameter_bytes = own_bytes(model.parameters())
         for num_devices in (2, 3, 4):
             moved = measured_traffic(model, num_devices)
-            try:
-                answer = traffic(parameter_bytes, num_devices)
-            except NotImplementedError:
-                return not_yet("traffic still raises NotImplementedError. Write its body.")
-            expected = moved["weights_out"] + moved["grads_back"]
-            if answer == expected:
-                continue
-            if answer == moved["weights_out"]:
-                return not_yet("that is only the weights going out; the gradients come back to device 0 too.")
-            if answer == expected * num_devices // (num_devices - 1):
-                return not_yet("device 0 keeps the module's own weights: nothing is copied to or from it.")
-            return not_yet(f"{name}, {num_devices} devices, {parameter_bytes:,} parameter bytes: "
-                           f"you said {answer:,}, our rebuild's Broadcast moved {expected:,} bytes.")
-    return correct("weights out to every device but the first, gradients back from them: "
-                   "2 x (devices - 1) x parameter bytes per iteration, as our rebuild's Broadcast counted them.")
+            cases.append((name, parameter_bytes, num_devices, moved["weights_out"] + moved["grads_back"]))
+    answers = []
+    for _, parameter_bytes, num_devices, _ in cases:
+        try:
+            answer = traffic(parameter_bytes, num_devices)
+        except NotImplementedError:
+            return not_yet("traffic still raises NotImplementedError. Write its body.")
+        except Exception as error:  # a learner's function may raise anything: name it, and the line
+            return not_yet(f"traffic({parameter_bytes:,}, {num_devices}) raised {type(error).__name__}: {error}"
+                           f"{_where(traffic, error)}")
+        try:
+            answers.append(float(answer))
+        except (TypeError, ValueError):
+            return not_yet(f"traffic({parameter_bytes:,}, {num_devices}) returned {answer!r}, not a number: return "
+                           f"the bytes.")
+    if all(answer == expected for answer, (*_, expected) in zip(answers, cases, strict=True)):
+        return correct("weights out to every device but the first, gradients back from them: "
+                       "2 x (devices - 1) x parameter bytes per iteration, as our rebuild's Broadcast counted them.")
+    for formula, mistake in TRAFFIC_MISTAKES:
+        if all(_same(answer, formula(p, n)) for answer, (_, p, n, _) in zip(answers, cases, strict=True)):
+            return not_yet(mistake)
+    if all(len({a for a, case in zip(answers, cases, strict=True) if case[0] == name}) == 1 for name, *_ in cases):
+        return not_yet("your answer does not change with the number of devices: every device but the first gets its "
+                       "own copy of the weights and sends its own gradients back.")
+    answer, (name, parameter_bytes, num_devices, expected) = next(
+        (a, case) for a, case in zip(answers, cases, strict=True) if a != case[3])
+    return not_yet(f"{name}, {num_devices} devices, {parameter_bytes:,} parameter bytes: you said {answer:,.0f}, our "
+                   f"rebuild's Broadcast moved {expected:,} bytes. Count per device: what does each device other than "
+                   f"0 receive, and what does it send back?")
 
 
 def plot_dp_iteration(phase_seconds: dict[str, float], devices: int, title: str):

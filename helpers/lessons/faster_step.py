@@ -1,6 +1,6 @@
 """Lesson 13 (a faster step): the formulas the runs are checked against, the exercise's check, and pictures.
 
-    from helpers.lessons.faster_step import hook_bytes, hooks_table, check_hook, trace_spans, mfu_table
+    from helpers.lessons.faster_step import hook_bytes, hooks_table, check_hook, profile_table, fraction_table
 
 Every measured number comes from a worker's run (helpers/workers/faster_*.py); every number it is compared with
 comes from a formula in this file (bytes per hook, FLOPs per step) or from torch in the same run.
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -51,12 +52,16 @@ def hook_bytes(setting: str, shapes: list[list[int]]) -> int:
         return FLOAT32_BYTES * values
     if setting in ("fp16", "bf16"):
         return HALF_BYTES * values
-    return FLOAT32_BYTES * sum(powersgd_split(shapes, int(setting.split("r=")[-1])).values())
+    rank = int(re.search(r"r=(\d+)", setting)[1])  # "PowerSGD r=4", "PowerSGD r=4, no feedback"
+    return FLOAT32_BYTES * sum(powersgd_split(shapes, rank).values())
 
 
 def counted_bytes(collectives: list[dict]) -> int:
     """Bytes of one step's all-reduces, as the worker's log recorded them."""
     return sum(event["bytes"] for event in collectives if event["op"] == "all_reduce")
+
+
+LOSS_STEPS = 5  # the loss read at the end of a run: the mean of its last steps, rank 0's batches
 
 
 def median(values: list[float]) -> float:
@@ -66,8 +71,8 @@ def median(values: list[float]) -> float:
 
 def hooks_table(run_results: dict[int, dict]) -> dict[str, dict[str, Any]]:
     """Per hook: bytes counted in the last step against the formula, all-reduce calls, the gradient error (median
-    over the steps where the hook compressed) and the loss at the first and last step, from rank 0; plus whether
-    every rank saw the same bytes and errors."""
+    over the steps where the hook compressed), the loss at the first step and its mean over the last LOSS_STEPS
+    steps, from rank 0; plus whether every rank saw the same bytes."""
     first = run_results[0]
     start = first["start_powersgd"]
     rows = {}
@@ -79,7 +84,7 @@ def hooks_table(run_results: dict[int, dict]) -> dict[str, dict[str, Any]]:
             "other_ops": sorted({e["op"] for step in record["collectives"] for e in step} - {"all_reduce"}),
             "first_step_bytes": counted_bytes(record["collectives"][0]),
             "error": median(compressing), "error_range": (min(compressing), max(compressing)),
-            "loss_first": record["loss"][0], "loss_last": record["loss"][-1],
+            "loss_first": record["loss"][0], "loss_end": sum(record["loss"][-LOSS_STEPS:]) / LOSS_STEPS,
             "same_on_every_rank": all(
                 [counted_bytes(s) for s in r["record"][name]["collectives"]] ==
                 [counted_bytes(s) for s in record["collectives"]] for r in run_results.values()),
@@ -102,12 +107,16 @@ def hook_timings(run_results: dict[int, dict]) -> dict[str, Timing]:
 
 def hooks_figure(run_results: dict[int, dict]) -> Any:
     """Three panels from rank 0's record: bytes handed to all_reduce per step (log scale), the gradient error per step
-    (log scale; the uncompressed all-reduce's is 0 and is left out), and the loss per step."""
+    (log scale; the uncompressed all-reduce's is 0 and is left out), and the loss per step. A control without error
+    feedback is dotted, in its twin's colour."""
     import matplotlib.pyplot as plt
     record = run_results[0]["record"]
     _, axes = plt.subplots(1, 3, figsize=(11, 3.3), dpi=80, layout="constrained")
-    for index, (name, steps) in enumerate(record.items()):
-        style = {"color": f"C{index}", "label": name, "marker": "." if name.startswith("PowerSGD") else None}
+    colours = {base: f"C{index}" for index, base in enumerate(dict.fromkeys(name.split(",")[0] for name in record))}
+    for name, steps in record.items():
+        style = {"color": colours[name.split(",")[0]], "label": name,
+                 "marker": "." if name.startswith("PowerSGD") else None,
+                 "linestyle": ":" if "no feedback" in name else "-"}
         axes[0].plot([counted_bytes(c) for c in steps["collectives"]], **style)
         if max(steps["error"]) > 0:
             axes[1].plot(range(len(steps["error"])), [e if e > 0 else float("nan") for e in steps["error"]], **style)
@@ -124,9 +133,10 @@ def hooks_figure(run_results: dict[int, dict]) -> Any:
 # ------------------------------------------------------------------ the exercise: a compression hook of your own
 
 RELATIVE_TOLERANCE = 1e-2  # a 16-bit all-reduce rounds each value to 8 (bfloat16) or 11 (float16) significant bits
+CHECK_RANKS = 3  # not 2: a hook that divides by a 2 it wrote down passes on 2 ranks
 
 
-def check_hook(script: str | Path, timeout: float = 120, nproc: int = 2) -> bool:
+def check_hook(script: str | Path, timeout: float = 120, nproc: int = CHECK_RANKS) -> bool:
     """Launch faster_hook_check.py with the compress_hook in `script` on `nproc` ranks and decide. Prints Correct
     or Not yet."""
     announce_run(f"{Path(script).name} inside torch's DDP", nproc, timeout, stop_after=30)
@@ -141,12 +151,13 @@ def check_hook(script: str | Path, timeout: float = 120, nproc: int = 2) -> bool
     return decide(checked, Path(script).name, run.results[0]["world_size"])
 
 
-def check_hooks(scripts: list[str | Path], timeout: float = 300, deadline: float = 2) -> dict[str, str]:
+def check_hooks(scripts: list[str | Path], timeout: float = 300, deadline: float = 2,
+                nproc: int = CHECK_RANKS) -> dict[str, str]:
     """Several files in one launch (the tests): file name -> the line check_hook would print."""
     args = []
     for script in scripts:
         args += ["--impl", str(Path(script).resolve())]
-    run = launch(WORKERS / "faster_hook_check.py", nproc=2, echo=False, timeout=timeout,
+    run = launch(WORKERS / "faster_hook_check.py", nproc=nproc, echo=False, timeout=timeout,
                  args=[*args, "--deadline", str(deadline)])
     lines = {}
     for script in scripts:
@@ -168,9 +179,14 @@ def _verdict_line(checked: dict[int, dict], name: str, world_size: int) -> str:
         if problem:
             return f"Not yet: rank {rank}: {problem}"
     worst = max(step["error"] for got in checked.values() for step in got["steps"])
+    others = sorted({step["group_size"] for got in checked.values() for step in got["steps"]
+                     if not step["where"].startswith("DDP's default")}, reverse=True)
+    groups = "DDP's default group" + (
+        f" and on process groups that are not WORLD ({' and '.join(f'{n} rank' + 's' * (n > 1) for n in others)})"
+        if others else "")
     return (f"Correct: {name} all-reduced 2 bytes per gradient value (float32 sends 4), one all-reduce per bucket, "
             f"on every rank in every step, and returned the bucket's dtype; DDP's gradients were within {worst:.1e} "
-            f"(relative) of the exact average, the rounding of a 16-bit sum.")
+            f"(relative) of the exact average, the rounding of a 16-bit sum, on {world_size} ranks, on {groups}.")
 
 
 def _hook_problem(got: dict, name: str, world_size: int) -> str | None:
@@ -182,22 +198,52 @@ def _hook_problem(got: dict, name: str, world_size: int) -> str | None:
     problem = _future_problem(got["problems"])
     if problem:
         return problem
-    for step, record in enumerate(got["steps"]):
-        problem = _traffic_problem(step, record)
+    for record in got["steps"]:
+        problem = _traffic_problem(record)
         if problem:
             return problem
-    for step, record in enumerate(got["steps"]):
-        if abs(record["ratio"] - world_size) < 0.05 * world_size:  # catches a sum not divided by the world size
-            return (f"in step {step} DDP's gradients were {record['ratio']:.2f} times the exact average: divide the "
-                    f"all-reduced sum by the number of ranks ({world_size}).")
-        if abs(record["ratio"] - 1 / world_size) < 0.05 / world_size:  # catches a division made twice
-            return (f"in step {step} DDP's gradients were {record['ratio']:.2f} times the exact average "
-                    f"(1/{world_size}): the sum was divided by the number of ranks twice.")
-        if record["error"] > RELATIVE_TOLERANCE:  # catches a lost bucket, a local gradient kept, a wrong cast
-            return (f"in step {step} DDP's gradients differ from the exact average of the ranks' gradients by "
-                    f"{record['error']:.2g} (relative), more than a 16-bit all-reduce's rounding "
-                    f"({RELATIVE_TOLERANCE:g}).")
+    for record in got["steps"]:
+        problem = _value_problem(record, world_size)
+        if problem:
+            return problem
     return None
+
+
+def _value_problem(record: dict, world_size: int) -> str | None:
+    """What is wrong with the gradients DDP kept, named by what they are closest to."""
+    if record["error"] <= RELATIVE_TOLERANCE:
+        return None
+    size, where = record["group_size"], f"in step {record['step']} on {record['where']}"
+    if record["every_rank_fit"] < RELATIVE_TOLERANCE and record["every_rank_differs"] > RELATIVE_TOLERANCE:
+        # catches an all-reduce on the default group when DDP was given another one
+        return (f"{where}, DDP's gradients are (a multiple of) the average over all {world_size} ranks, not over "
+                f"the {size} rank{'s' if size > 1 else ''} of the group DDP handed your hook: all-reduce on "
+                "process_group (dist.group.WORLD only when it is None) and divide by that group's size.")
+    if size > 1 and record["own_fit"] < RELATIVE_TOLERANCE:  # catches a result that never used the all-reduce
+        return (f"{where}, DDP's gradients are this rank's own gradients, scaled, not the all-reduced sum: the "
+                "callback must build its result from the all-reduce's value, done.value()[0], not from the bucket "
+                "it was given.")
+    if record["ratio"] > 0:
+        divisor = size / record["ratio"]  # the sum is size x the average: what the sum was divided by
+        whole = round(divisor)
+        if whole >= 1 and whole != size and abs(divisor - whole) < 0.05 * divisor:
+            return _division_problem(where, record["ratio"], whole, size, world_size)
+    return (f"{where}, DDP's gradients differ from the exact average of the group's gradients by "
+            f"{record['error']:.2g} (relative), more than a 16-bit all-reduce's rounding ({RELATIVE_TOLERANCE:g}).")
+
+
+def _division_problem(where: str, ratio: float, divisor: int, size: int, world_size: int) -> str:
+    if divisor == 1:  # catches a sum not divided at all
+        return (f"{where}, DDP's gradients were {ratio:.2f} times the exact average: divide the all-reduced sum by "
+                f"the number of ranks in the group ({size}).")
+    if divisor == size * size:  # catches a division made twice
+        return (f"{where}, DDP's gradients were {ratio:.2f} times the exact average (1/{size}): the sum was divided "
+                "by the number of ranks twice.")
+    if divisor == world_size:  # catches dist.get_world_size() with a group of fewer ranks
+        return (f"{where}, the all-reduced sum was divided by {divisor}, every rank's count "
+                f"(dist.get_world_size()); the group DDP handed your hook has {size}: divide by group.size().")
+    return (f"{where}, the all-reduced sum was divided by {divisor}, but the group has {size} "
+            f"rank{'s' if size > 1 else ''}: divide by the group's size, group.size(), not a number written down.")
 
 
 def _future_problem(problems: list[dict]) -> str | None:
@@ -205,6 +251,11 @@ def _future_problem(problems: list[dict]) -> str | None:
         return None
     first = problems[0]
     kind = first["kind"]
+    if kind == "torch's hook":  # catches `return fp16_compress_hook(process_group, bucket)`
+        return (f"compress_hook let torch's own hook issue the all-reduce ({first['function']}, in "
+                "torch/distributed/algorithms/ddp_comm_hooks/). That is the right call in a training script "
+                "(section 1 registers it), but here the exercise is to write the cast, the all-reduce and the "
+                "callback yourself; the check would grade torch's code, not yours.")
     if kind == "not a future":
         return (f"compress_hook returned a {first['type']}, not a torch.futures.Future: return the all-reduce's "
                 "future (dist.all_reduce(..., async_op=True).get_future()) chained with .then(...).")
@@ -215,6 +266,9 @@ def _future_problem(problems: list[dict]) -> str | None:
     if kind == "failed future":  # catches an error in the learner's .then callback
         place = f" at {first['where']}" if first["where"] else ""
         return f"the callback of the future compress_hook returned raised {first['error']}{place}."
+    if kind == "not a tensor" and first["type"] == "NoneType":  # catches a callback without `return`
+        return ("your callback returned None, so the future compress_hook returned holds None: end the callback "
+                "with `return` and the tensor DDP should use (the sum cast back and divided).")
     if kind == "not a tensor":
         return (f"compress_hook's future holds a {first['type']}, not one tensor: the future of "
                 "dist.all_reduce(...).get_future() holds a list ([tensor]); chain .then(lambda f: f.value()[0] ...) "
@@ -229,8 +283,8 @@ def _future_problem(problems: list[dict]) -> str | None:
     return f"{kind}: {first}"
 
 
-def _traffic_problem(step: int, record: dict) -> str | None:
-    buckets, calls = record["buckets"], record["calls"]
+def _traffic_problem(record: dict) -> str | None:
+    buckets, calls, step = record["buckets"], record["calls"], record["step"]
     ops = sorted({call["op"] for call in calls} - {"all_reduce"})
     if ops:  # catches a broadcast or all-gather in a hook that should all-reduce
         return f"in step {step} compress_hook called {ops}; a compression hook needs one all-reduce per bucket."
@@ -250,7 +304,7 @@ def read_json(path: str | Path) -> Any:
     return json.loads(Path(path).read_text())
 
 
-# ------------------------------------------------------------------ sections 2-3: torch.compile with DDP and FSDP2
+# ------------------------------------------------------------------ sections 3-4: torch.compile with DDP and FSDP2
 
 def split_table(compile_results: dict) -> list[dict[str, Any]]:
     """Per bucket setting: the parameter bytes of each graph dynamo made, torch's own log line, and the buckets DDP's
@@ -300,7 +354,10 @@ def fsdp_table(fsdp_results: dict) -> None:
               f"bytes; gradient shards differ from eager by {run['max_difference']:.1g}")
 
 
-# ------------------------------------------------------------------ section 4: the profiler's timeline
+# ------------------------------------------------------------------ section 5: the profiler's trace file
+
+DTYPE_BYTES = {"float": 4, "c10::Half": 2, "c10::BFloat16": 2, "double": 8}  # the trace's "Input type" names
+
 
 def _kind(name: str) -> str | None:
     """Lesson 03's three rows, by the profiler's event names (helpers/workers/dp_vs_ddp_overlap.py, kind_of)."""
@@ -313,17 +370,26 @@ def _kind(name: str) -> str | None:
     return None
 
 
+def _bytes(event: dict) -> int:
+    """Bytes of the tensor a gloo:all_reduce event carried, from the trace's own record of its input (record_shapes):
+    "Input Dims" [[n]] and "Input type" ["c10::Half"]."""
+    args = event.get("args", {})
+    dims, types = args.get("Input Dims") or [[]], args.get("Input type") or [""]
+    return math.prod(dims[0]) * DTYPE_BYTES.get(types[0], 0)
+
+
 def trace_steps(path: str | Path, setting: str) -> list[list[dict]]:
     """The events of each step of `setting` in a Chrome trace that torch.profiler exported, in lesson 03's form:
-    kind, thread, start_us and end_us from the start of that step's first backward op. A running all-reduce
-    belongs to the step it started in (its wait may end after the step's mark)."""
+    kind, thread, start_us and end_us from the start of that step's first backward op, and for gloo's all-reduces the
+    bytes they carried. A running all-reduce belongs to the step it started in (its wait may end after the mark)."""
     events = [e for e in read_json(path)["traceEvents"] if e.get("ph") == "X"]
     marks = sorted((e for e in events if e["name"] == f"{setting} step"), key=lambda e: e["ts"])
     steps = []
     for mark in marks:
         begin, end = mark["ts"], mark["ts"] + mark["dur"]
         found = [{"name": e["name"], "kind": _kind(e["name"]), "thread": e["tid"], "start_us": e["ts"],
-                  "end_us": e["ts"] + e["dur"]} for e in events if _kind(e["name"]) and begin <= e["ts"] <= end]
+                  "end_us": e["ts"] + e["dur"], "bytes": _bytes(e) if _kind(e["name"]) == "all-reduce running" else 0}
+                 for e in events if _kind(e["name"]) and begin <= e["ts"] <= end]
         first = min(e["start_us"] for e in found if e["kind"] == "backward")
         for e in found:
             e["start_us"], e["end_us"] = e["start_us"] - first, e["end_us"] - first
@@ -331,85 +397,55 @@ def trace_steps(path: str | Path, setting: str) -> list[list[dict]]:
     return steps
 
 
-def hook_events(hook_step: dict) -> list[dict]:
-    """One step as our comm hook saw it, in the same form: compute from the backward call to the last bucket's hook
-    call (its gradients are the last ones), each bucket issued while the hook ran, and running from the hook's return
-    to the moment its future completed (which needs the GIL: a Python callback runs it)."""
-    zero = hook_step["backward_called"]
-
-    def us(seconds: float) -> float:
-        return (seconds - zero) * 1e6
-
-    buckets = hook_step["buckets"]
-    events = [{"kind": "backward", "start_us": 0.0, "end_us": us(max(b["called"] for b in buckets))}]
-    for bucket in buckets:
-        events.append({"kind": "all-reduce issued", "start_us": us(bucket["called"]), "end_us": us(bucket["returned"])})
-        events.append({"kind": "all-reduce running", "start_us": us(bucket["returned"]),
-                       "end_us": us(bucket["completed"])})
-    return events
-
-
-def overlap(events: list[dict]) -> dict[str, float]:
-    """How much of one step's running all-reduce time falls inside backward compute.
-
-    compute: the backward ops on the training thread, minus the all-reduce calls issued from inside them;
-    communication: the all-reduce running in the backend's thread (with gloo this includes waiting for the
-    other ranks). fraction = |communication and compute at the same time| / |communication|.
-    """
-    from helpers.lessons.dp_vs_ddp import intersect, subtract, total  # imports torch: only when this section runs
-
-    def spans(kind: str) -> list[tuple[float, float]]:
-        return [(e["start_us"], e["end_us"]) for e in events if e["kind"] == kind]
-
-    compute = subtract(spans("backward"), spans("all-reduce issued"))
-    communication = spans("all-reduce running")
-    backward_end = max(end for _, end in spans("backward"))
-    both = total(intersect(communication, compute))
-    comm = total(communication)
-    return {"communication_us": comm, "compute_us": total(compute), "overlap_us": both,
-            "fraction": both / comm if comm else 0.0, "backward_us": backward_end,
-            "communication_after_backward_us": total(subtract(communication, [(float("-inf"), backward_end)]))}
+def profile_table(profile_results: dict) -> dict[str, dict[str, Any]]:
+    """Per setting, from the trace file: lesson 03's issue_order of each profiled step, the bytes gloo's all-reduces
+    carried per step (the trace's own record), the threads they ran on, and the backward's span in the trace; beside
+    them, from the worker's clocks, the backward's wall time and the training thread's CPU time (medians)."""
+    from helpers.lessons.dp_vs_ddp import issue_order  # imports torch: only when this section runs
+    table = {}
+    for setting in profile_results["settings"]:
+        steps = trace_steps(profile_results["trace"], setting)
+        clocks = profile_results["backward"][setting]
+        table[setting] = {
+            "order": [issue_order(events) for events in steps],
+            "bytes": [sum(e["bytes"] for e in events if e["kind"] == "all-reduce running") for events in steps],
+            "running_threads": sorted({e["thread"] for events in steps for e in events
+                                       if e["kind"] == "all-reduce running"}),
+            "backward_threads": sorted({e["thread"] for events in steps for e in events if e["kind"] == "backward"}),
+            "backward_span_ms": median([max(e["end_us"] for e in events if e["kind"] == "backward") / 1000
+                                        for events in steps]),
+            "wall_ms": 1000 * median(clocks["wall"]), "cpu_ms": 1000 * median(clocks["cpu"]),
+        }
+    return table
 
 
-def overlaps(profile_results: dict) -> dict[str, list[dict[str, float]]]:
-    """overlap() on three sources of the same launch: the trace's plain steps (lesson 03's setting), the trace's
-    hooked steps, and our hook's record of those hooked steps."""
-    trace = profile_results["trace"]
-    return {"profiler, plain steps (lesson 03's setting)": [overlap(s) for s in trace_steps(trace, "plain")],
-            "profiler, hooked steps": [overlap(s) for s in trace_steps(trace, "hooked")],
-            "our hook, the same hooked steps": [overlap(hook_events(s)) for s in profile_results["hook_steps"]]}
-
-
-def timeline_figure(profile_results: dict, step: int) -> Any:
-    """One hooked step drawn twice: from torch's events in the trace file, and from our hook's timestamps."""
+def timeline_figure(profile_results: dict, step: int, settings: tuple[str, ...] = ("4 buckets", "1 bucket")) -> Any:
+    """One profiled step of each setting, drawn from the trace file: the backward's ops on the training thread (less
+    the calls that issue the all-reduces), those calls, and gloo's all-reduce on its threads (waiting included)."""
     import matplotlib.pyplot as plt
 
-    from helpers.lessons.dp_vs_ddp import subtract
-    traced = trace_steps(profile_results["trace"], "hooked")[step]
-    ours = hook_events(profile_results["hook_steps"][step])
+    from helpers.lessons.dp_vs_ddp import subtract  # imports torch: only when this section runs
 
     def spans(events, kind):
         return [(e["start_us"] / 1000, e["end_us"] / 1000) for e in events if e["kind"] == kind]
 
-    rows = {
-        "profiler: backward compute": subtract(spans(traced, "backward"), spans(traced, "all-reduce issued")),
-        "profiler: all-reduce issued": spans(traced, "all-reduce issued"),
-        "profiler: gloo:all_reduce": spans(traced, "all-reduce running"),
-        "our hook: backward to last hook": spans(ours, "backward"),
-        "our hook: issued": spans(ours, "all-reduce issued"),
-        "our hook: running until callback": spans(ours, "all-reduce running"),
-    }
-    _, ax = plt.subplots(figsize=(9, 3.2), dpi=80, layout="constrained")
+    rows = {}
+    for setting in settings:
+        events = trace_steps(profile_results["trace"], setting)[step]
+        rows[f"{setting}: backward ops"] = subtract(spans(events, "backward"), spans(events, "all-reduce issued"))
+        rows[f"{setting}: all-reduce issued"] = spans(events, "all-reduce issued")
+        rows[f"{setting}: gloo:all_reduce"] = spans(events, "all-reduce running")
+    _, ax = plt.subplots(figsize=(9, 0.6 + 0.45 * len(rows)), dpi=80, layout="constrained")
     for row, found in enumerate(rows.values()):
-        ax.broken_barh([(s, max(e - s, 0.03)) for s, e in found], (row - 0.35, 0.7), color=f"C{row // 3}")
-    ax.set(yticks=range(len(rows)), yticklabels=list(rows), xlabel="ms since this step's backward started",
-           title="One DDP step with our hook, rank 0: torch's profiler (blue) and our hook's clock (orange)")
+        ax.broken_barh([(s, max(e - s, 0.03)) for s, e in found], (row - 0.35, 0.7), color=f"C{row % 3}")
+    ax.set(yticks=range(len(rows)), yticklabels=list(rows), xlabel="ms since this step's backward started (wall clock)",
+           title="torch.profiler's trace file, rank 0: one DDP step per setting")
     ax.invert_yaxis()
     ax.grid(axis="x", alpha=0.3)
     return ax
 
 
-# ------------------------------------------------------------------ section 5: model FLOPs utilisation
+# ------------------------------------------------------------------ section 6: a measured matmul rate
 
 def flops_formula(layers: list[list[int]], batch: int) -> dict[str, int]:
     """Matmul FLOPs of one forward and backward of a stack of Linear layers (2 per multiply-add): the forward, the
@@ -425,27 +461,37 @@ def matmul_rates(mfu_results: dict[int, dict]) -> dict[int, Timing]:
     return {int(name): timing for name, timing in timings.items()}
 
 
-def mfu_table(mfu_results: dict[int, dict]) -> dict[str, Any]:
-    """FLOPs per step, the best measured matmul rate (per rank, both ranks computing), step times and the fraction."""
+def fraction_table(mfu_results: dict[int, dict]) -> dict[str, Any]:
+    """FLOPs per step and rank; each size's matmul rate per rank (a turn's 2 n^3 FLOPs per product over the median
+    round, and over the slowest and fastest rounds); the step times; and the fraction of the best size's median rate
+    a DDP step reached, with the range it spans over that size's rounds. Not MFU: MFU divides by the hardware's
+    published peak."""
     first = mfu_results[0]
-    rates = {n: 2 * n**3 / timing.median() for n, timing in matmul_rates(mfu_results).items()}
-    peak_size = max(rates, key=rates.get)
+    rates = {}
+    for n, timing in matmul_rates(mfu_results).items():
+        flops = 2 * n**3 * first["matmul_calls"][str(n)]  # a turn's products (JSON keys are strings)
+        low, high = timing.spread()
+        rates[n] = {"median": flops / timing.median(), "low": flops / high, "high": flops / low}
+    best = max(rates, key=lambda n: rates[n]["median"])
     steps = across_ranks(mfu_results[rank]["steps"] for rank in sorted(mfu_results))
-    table = {"flops": first["flops"], "rates": rates, "peak": rates[peak_size], "peak_size": peak_size,
-             "steps": steps, "verdict": verdict(steps["DDP step"], steps["no all-reduce (no_sync)"])}
-    table["mfu"] = {name: first["flops"] / timing.median() / table["peak"] for name, timing in steps.items()}
-    return table
+    achieved = first["flops"] / steps["DDP step"].median()
+    return {"flops": first["flops"], "rates": rates, "best_size": best, "achieved": achieved,
+            "fraction": achieved / rates[best]["median"],
+            "fraction_range": (achieved / rates[best]["high"], achieved / rates[best]["low"]), "steps": steps,
+            "verdicts": {kind: verdict(steps["DDP step"], steps["no all-reduce (no_sync)"], kind=kind)
+                         for kind in ("wall", "cpu")}}
 
 
 # ------------------------------------------------------------------ the closing note
 
-def closing_note(hooks: dict, compiled: dict, fsdp: dict, profiled: dict, mfu: dict) -> None:
-    """The numbers the lesson ends on, each from this run, with the timing protocol's verdict where a time is read."""
+def closing_note(hooks: dict, compiled: dict, fsdp: dict, profiled: dict | None, mfu: dict) -> None:
+    """The numbers the lesson ends on, each from this run, with the timing protocol's verdicts (wall time, and CPU
+    time of the ranks together) where a time is read. `profiled` is None where section 5 was skipped (CUDA)."""
     table, timings = hooks_table(hooks), hook_timings(hooks)
     print("Bytes per step handed to all_reduce (counted / formula), and the step time against float32's:")
     for name, row in table.items():
-        timed = "" if name == "all-reduce" else f"; {_short(verdict(timings[name], timings['all-reduce']))}"
-        print(f"  {name:<14} {row['counted']:>9,} / {row['formula']:>9,}{timed}")
+        timed = f"; {_short(timings[name], timings['all-reduce'])}" if name in timings and name != "all-reduce" else ""
+        print(f"  {name:<25} {row['counted']:>9,} / {row['formula']:>9,}{timed}")
     print("Gradient error, median over the compressed steps: " + ", ".join(
         f"{name} {row['error']:.2g}" for name, row in table.items() if name.startswith("PowerSGD")))
     splits = compiled[0]["splits"]
@@ -457,19 +503,28 @@ def closing_note(hooks: dict, compiled: dict, fsdp: dict, profiled: dict, mfu: d
         print("Inductor: skipped (no C++ compiler).")
     else:
         steps = across_ranks(compiled[rank]["inductor"]["timings"] for rank in sorted(compiled))
-        timed = _short(verdict(steps["compiled"], steps["eager"]))
-        print(f"Inductor: first step {inductor['cold_first_step_s']:.1f} s with an empty cache, "
-              f"{inductor['warm_first_step_s']:.1f} s with it filled; {timed}")
-    found = overlaps(profiled)
-    print("All-reduce span during backward compute, median of 3 steps (lesson 03's measure): " + "; ".join(
-        f"{source} {median([o['fraction'] for o in steps]):.0%}" for source, steps in found.items()))
-    result = mfu_table(mfu)
-    print(f"MFU: {result['mfu']['DDP step']:.0%} of a measured {result['peak'] / 1e9:.0f} GFLOP/s per rank "
-          f"({result['flops'] / 1e6:.0f} MFLOP per step and rank); {_short(result['verdict'])}")
+        print(f"Inductor: first step {inductor['cold_first_step_s']:.1f} s with an empty cache (rank 0 alone), "
+              f"{inductor['warm_first_step_s']:.1f} s with it filled (one sample each); "
+              f"{_short(steps['compiled'], steps['eager'])}")
+    if profiled is not None:
+        print("The profiler's trace file: the first all-reduce issued with " + "; ".join(
+            f"{median([o['ops_after_first_issue'] for o in row['order']])} of {row['order'][0]['ops']} backward ops "
+            f"to run ({setting})" for setting, row in profile_table(profiled).items()))
+    result = fraction_table(mfu)
+    low, high = result["fraction_range"]
+    print(f"A DDP step reached {result['fraction']:.0%} ({low:.0%}-{high:.0%}) of a measured matmul rate of "
+          f"{result['rates'][result['best_size']]['median'] / 1e9:.1f} GFLOP/s per rank "
+          f"({result['flops'] / 1e6:.0f} MFLOP per step and rank); "
+          f"{_short(result['steps']['DDP step'], result['steps']['no all-reduce (no_sync)'])}")
 
 
-def _short(found) -> str:
-    """A verdict's first clause: who is faster by how much, or not distinguishable."""
-    if found.distinguishable:
-        return f"{found.faster} faster than {found.slower}, {found.ratio:.2f}x (wall)"
-    return f"{found.sentence.split(':')[0]}: not distinguishable (wall)"
+def _short(first: Timing, second: Timing) -> str:
+    """Both verdicts' first clauses: who is faster by how much, or not distinguishable; wall, then CPU."""
+    said = []
+    for kind in ("wall", "cpu"):
+        found = verdict(first, second, kind=kind)
+        what = "wall" if kind == "wall" else f"CPU of {max(first.ranks, second.ranks)} ranks"
+        done = "faster" if kind == "wall" else "uses less CPU"  # CPU time is work done, not a step's duration
+        said.append(f"{found.faster} {done}, {found.ratio:.2f}x ({what})" if found.distinguishable
+                    else f"not distinguishable ({what})")
+    return f"{first.name} against {second.name}: " + "; ".join(said)

@@ -302,12 +302,26 @@ def model_for(tp: int, blocks: int) -> Any:
     return Transformer(dim=16 * heads, heads=heads, hidden=64 * heads, blocks=blocks, seed=0)
 
 
+def _fsdp_tp_with(model: Any, mesh: Any, tp_plan: tuple[dict, dict]) -> Any:
+    """apply_fsdp_tp with another tensor-parallel plan: (top-level plan, plan for each block) over mesh["tp"], then
+    FSDP2 over mesh["dp"]."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from helpers.kit.transformer import apply_fsdp
+
+    parallelize_module(model, mesh["tp"], tp_plan[0])
+    for block in model.layers.values():
+        parallelize_module(block, mesh["tp"], tp_plan[1])
+    return apply_fsdp(model, mesh["dp"])
+
+
 def collective_counts(mesh_shape: tuple[int, int], sequence_parallel: bool = True, blocks: int = 2,
-                      rank: int = 0) -> dict[str, dict[str, int]]:
+                      rank: int = 0, tp_plan: tuple[dict, dict] | None = None) -> dict[str, dict[str, int]]:
     """Collectives of one training step of lesson 10's FSDP x TP layout on a (dp, tp) mesh, seen by `rank`.
 
     Real (small) tensors on the fake backend: every collective returns at once without moving data, so the values
-    are wrong but every call torch makes is made. The second step is counted (the first also initialises FSDP)."""
+    are wrong but every call torch makes is made. The second step is counted (the first also initialises FSDP).
+    tp_plan: (top-level plan, plan for each block) to use instead of lesson 10's (e.g. plan_without_prepare())."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.debug import CommDebugMode
 
@@ -319,7 +333,10 @@ def collective_counts(mesh_shape: tuple[int, int], sequence_parallel: bool = Tru
     with simulated_world(dp * tp, rank), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
         mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp"))
-        model = apply_fsdp_tp(model_for(tp, blocks), mesh, sequence_parallel)
+        if tp_plan is None:
+            model = apply_fsdp_tp(model_for(tp, blocks), mesh, sequence_parallel)
+        else:
+            model = _fsdp_tp_with(model_for(tp, blocks), mesh, tp_plan)
         optimizer = make_optimizer(model)
         inputs, targets = batch(0, dp)
         inputs, targets = rows(inputs, 0, dp), rows(targets, 0, dp)
@@ -389,7 +406,7 @@ def tp_step_counts(world_size: int, replicate_grads: bool = False) -> dict[str, 
 
 def tp_collectives(blocks: int) -> dict[str, int]:
     """Our formula for the tensor-parallel collectives of one step of lesson 10's plan with sequence parallelism
-    (helpers.kit.transformer.tp_plan). Without sequence parallelism is the lesson's exercise.
+    (helpers.kit.transformer.tp_plan). The same plan without its PrepareModuleInput entries is the lesson's exercise.
 
     Each block all-gathers its attention and MLP inputs and reduce-scatters their outputs, forward and again
     (mirrored) in backward: 4 of each per block; the embedding's output adds a reduce-scatter (forward) and an
@@ -407,28 +424,50 @@ def fsdp_collectives(blocks: int) -> dict[str, int]:
     return {"all_gather": 2 * blocks + 1, "reduce_scatter": blocks + 1}
 
 
+def plan_without_prepare() -> tuple[dict, dict]:
+    """The exercise's plan: lesson 10's tensor-parallel plan with sequence parallelism (transformer.tp_plan), less its
+    two PrepareModuleInput entries. Each column-wise layer of a block then takes the sequence-sharded input itself:
+    ColwiseParallel(input_layouts=Shard(1)) for wq, wk, wv and w1. Returns (top-level plan, plan for each block)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput
+
+    from helpers.kit.transformer import tp_plan
+
+    top, block = tp_plan(sequence_parallel=True)
+    block = {name: style for name, style in block.items() if not isinstance(style, PrepareModuleInput)}
+    for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1"):
+        block[name] = ColwiseParallel(input_layouts=Shard(1))
+    return top, block
+
+
 @functools.cache
 def _tp_phase_counts_cached(blocks: int) -> tuple[tuple[str, tuple[tuple[str, int], ...]], ...]:
-    """CommDebugMode's counts, forward and backward apart, of lesson 10's TP plan without sequence parallelism on
-    2 fake ranks (the tp dimension alone: FSDP over dp adds nothing on tp)."""
+    """CommDebugMode's tp collectives, forward and backward apart, of lesson 10's FSDP x TP layout with the exercise's
+    plan (plan_without_prepare) on a (2, 2) mesh of fake ranks. The first step is counted: FSDP2's lazy
+    initialisation runs no tp collective (its own, on dp, are c10d ops and left out)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from helpers.kit.transformer import apply_tp, batch, loss_fn
+    from helpers.kit.transformer import batch, loss_fn, rows
 
-    with simulated_world(2):
-        model = apply_tp(model_for(2, blocks), init_device_mesh("cpu", (2,)), sequence_parallel=False)
-        inputs, targets = batch(0, 2)
+    with simulated_world(4), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        model = _fsdp_tp_with(model_for(2, blocks), mesh, plan_without_prepare())
+        inputs, targets = (rows(t, 0, 2) for t in batch(0, 2))
         with CommDebugMode() as forward:
             loss = loss_fn(model(inputs), targets)
         with CommDebugMode() as backward:
             loss.backward()
-    return tuple((phase, tuple(sorted(named_counts(mode.get_comm_counts()).items())))
-                 for phase, mode in (("forward", forward), ("backward", backward)))
+    counted = []
+    for phase, mode in (("forward", forward), ("backward", backward)):
+        on_tp = {str(op): n for op, n in mode.get_comm_counts().items() if _OP_NAMES[str(op)][0] == "tp"}
+        counted.append((phase, tuple(sorted(named_counts(on_tp).items()))))
+    return tuple(counted)
 
 
 def tp_phase_counts(blocks: int) -> dict[str, dict[str, int]]:
-    """Torch's tp collectives without sequence parallelism, {"forward": {...}, "backward": {...}} (measured once)."""
+    """Torch's tp collectives for the exercise's plan, {"forward": {...}, "backward": {...}} (measured once)."""
     return {phase: dict(counts) for phase, counts in _tp_phase_counts_cached(blocks)}
 
 
@@ -439,10 +478,19 @@ def _counts_of(answer: Any) -> dict[str, dict[str, int]]:
     return {phase: {op: int(n) for op, n in dict(answer[phase]).items() if n} for phase in ("forward", "backward")}
 
 
+# What to look at when a count is off: where the phase's collectives come from, asked, not answered.
+_LOOK_AT = {"forward": "walk one block's forward layer by layer: what layout does each layer's input arrive in, and "
+                       "what layout does that layer's plan entry ask for?",
+            "backward": "backward sends a gradient back through every redistribution forward made, in the opposite "
+                        "direction (the gradient of an all-gather is a reduce-scatter, and the reverse)."}
+
+
 def _where_it_differs(yours: dict[int, dict], torch_counts: dict[int, dict]) -> str | None:
     """What is wrong with the learner's counts for 1, 2 and 3 blocks, in words, without torch's numbers."""
     for phase in ("forward", "backward"):
-        ops = sorted({op for b in yours for op in {**yours[b][phase], **torch_counts[b][phase]}})
+        ops = {op for b in yours for op in {**yours[b][phase], **torch_counts[b][phase]}}
+        # a collective torch never ran in this phase is the first thing to hear about, then the others by name
+        ops = sorted(ops, key=lambda op: (any(torch_counts[b][phase].get(op, 0) for b in (1, 2, 3)), op))
         for op in ops:
             mine = [yours[b][phase].get(op, 0) for b in (1, 2, 3)]
             real = [torch_counts[b][phase].get(op, 0) for b in (1, 2, 3)]
@@ -451,32 +499,31 @@ def _where_it_differs(yours: dict[int, dict], torch_counts: dict[int, dict]) -> 
             if not any(real):
                 return f"torch ran no {op} in {phase}; your counts have some."
             if not any(mine):
-                return f"your {phase} has no {op}; torch ran some. Which layer's output, or input, needs one?"
+                return f"your {phase} has no {op}; torch ran some. To see where: {_LOOK_AT[phase]}"
             if mine[1] - mine[0] != mine[2] - mine[1]:
                 return (f"your {phase} count of {op} does not grow by the same amount with each block, and every "
                         "block has the same layers.")
             slope, torch_slope = mine[1] - mine[0], real[1] - real[0]
             if slope != torch_slope:
-                return (f"per block, your {phase} count of {op} is too {'low' if slope < torch_slope else 'high'}: "
-                        f"some layer of a block {'runs one you did not count' if slope < torch_slope else 'runs none'}"
-                        ". In backward, each layer whose input was turned into a DTensor sends that input's gradient "
-                        "back on its own.")
+                return (f"per block, your {phase} count of {op} is too {'low' if slope < torch_slope else 'high'}. "
+                        f"To see why, {_LOOK_AT[phase]}")
             return (f"per block your {phase} count of {op} is right, but the part outside the blocks is too "
-                    f"{'low' if mine[0] < real[0] else 'high'}: look at the embedding and the output layer.")
+                    f"{'low' if mine[0] < real[0] else 'high'}: look at the embedding, the final norm and the "
+                    "output layer.")
     return None
 
 
-def check_tp_counts_without_sp(tp_counts: Any) -> bool:
+def check_tp_counts(tp_counts: Any) -> bool:
     """The exercise: `tp_counts(blocks)` -> {"forward": {...}, "backward": {...}}, the tp collectives of one training
-    step of lesson 10's plan without sequence parallelism, checked against torch's counts for 1, 2 and 3 blocks.
-    A wrong answer hears where it differs (which phase and collective, per block or outside the blocks), not
-    torch's numbers: the exercise is to derive them from the plan."""
+    step of lesson 10's FSDP x TP layout with the plan without PrepareModuleInput (plan_without_prepare), checked
+    against torch's counts for 1, 2 and 3 blocks. A wrong answer hears where it differs (which phase and collective,
+    per block or outside the blocks), not torch's numbers: the exercise is to derive them from the plan."""
     import traceback
 
     from helpers.lessons.checks import correct, not_yet
 
-    print("Counting torch's collectives for 1, 2 and 3 blocks on 2 fake ranks (a few seconds the first time)...",
-          flush=True)
+    print("Counting torch's collectives for 1, 2 and 3 blocks on a (2, 2) mesh of fake ranks (a few seconds the "
+          "first time)...", flush=True)
     yours, real = {}, {}
     for blocks in (1, 2, 3):
         try:
@@ -492,7 +539,10 @@ def check_tp_counts_without_sp(tp_counts: Any) -> bool:
     wrong = _where_it_differs(yours, real)
     if wrong:
         return not_yet(wrong)
-    return correct("your counts match CommDebugMode's, forward and backward, for 1, 2 and 3 blocks.")
+    per_block = sum(sum(real[2][phase].values()) - sum(real[1][phase].values()) for phase in real[1])
+    extra = per_block - (sum(tp_collectives(2).values()) - sum(tp_collectives(1).values()))  # section 3's plan
+    return correct(f"your counts match CommDebugMode's, forward and backward, for 1, 2 and 3 blocks. Without "
+                   f"PrepareModuleInput every block runs {extra} tp collectives more than with it (section 3's plan).")
 
 
 class _FullTensorBytes:
@@ -689,9 +739,11 @@ def plan(n_params: float, dp: int, tp: int = 1, pp: int = 1, microbatches: int =
 
 
 def planner_figure(billions: float = 7.5, dp: int = 64, tp: int = 1, pp: int = 1, microbatches: int = 8,
-                   stage: str = "ZeRO-3", fp32_gradients: bool = False, reduce_bytes: int = 2) -> Any:
+                   stage: str = "ZeRO-3", fp32_gradients: bool = False, reduce_bytes: int = 2,
+                   reduce_every_microbatch: bool = True) -> Any:
     """Three panels from `plan`: GB per rank by ZeRO stage (activations not counted), GB sent per rank and step by
-    dimension, and the bubble."""
+    dimension (gradients reduced after every micro-batch, or with reduce_every_microbatch=False once per step, as
+    DDP's no_sync and FSDP2's set_requires_gradient_sync(False) do), and the bubble."""
     import matplotlib.pyplot as plt
 
     _, (left, middle, right) = plt.subplots(1, 3, figsize=(12, 3.4), dpi=80, layout="constrained")
@@ -706,7 +758,8 @@ def planner_figure(billions: float = 7.5, dp: int = 64, tp: int = 1, pp: int = 1
     left.set(ylabel="GB per rank (no activations)", title=f"{billions:g}B params, dp={dp} tp={tp} pp={pp}",
              ylim=(0, 1.15 * max(bottoms)))
     left.legend(fontsize="x-small")
-    chosen = plan(billions * 1e9, dp, tp, pp, microbatches, stage, fp32_gradients, reduce_bytes=reduce_bytes)
+    chosen = plan(billions * 1e9, dp, tp, pp, microbatches, stage, fp32_gradients, reduce_bytes=reduce_bytes,
+                  reduce_every_microbatch=reduce_every_microbatch)
     shown = {dim: v for dim, v in chosen["traffic"].items() if dim in ("dp", "tp", "pp") or v}  # cp, ep when used
     sent = [v / GB for v in shown.values()]
     middle.bar(list(shown), sent, color="tab:purple")
@@ -730,7 +783,8 @@ def planner_figure(billions: float = 7.5, dp: int = 64, tp: int = 1, pp: int = 1
 
 
 def planner_explorer() -> Any:
-    """Sliders over `planner_figure` (model size, dp, tp, pp, micro-batches, stage, fp32 gradients, reduce dtype)."""
+    """Sliders over `planner_figure` (model size, dp, tp, pp, micro-batches, stage, fp32 gradients, reduce dtype,
+    and whether the gradients are reduced after every micro-batch or once per step)."""
     import ipywidgets as widgets
     import matplotlib.pyplot as plt
 
@@ -744,7 +798,10 @@ def planner_explorer() -> Any:
         microbatches=widgets.IntSlider(value=8, min=1, max=64, description="micro-batches", style=wide),
         stage=widgets.Dropdown(options=list(STAGES), value="ZeRO-3", description="stage"),
         fp32_gradients=widgets.Checkbox(value=False, description="fp32 gradients"),
-        reduce_bytes=widgets.Dropdown(options=[("bf16", 2), ("fp32", 4)], value=2, description="reduce in", style=wide))
+        reduce_bytes=widgets.Dropdown(options=[("bf16", 2), ("fp32", 4)], value=2, description="reduce in", style=wide),
+        reduce_every_microbatch=widgets.Dropdown(
+            options=[("every micro-batch", True), ("last micro-batch only", False)], value=True,
+            description="gradient sync", style=wide))
 
     def show(**values: Any) -> None:
         planner_figure(**values)
@@ -808,31 +865,35 @@ def first_differing_output(twin: list[dict[str, Any]], real_results: dict[int, d
 
 # --- time: this machine's 2-rank step, predicted from measured rates and checked against a real run ------------
 
+MODES = ("local", "ddp", "fsdp", "fsdp_alone")
+OPTIMIZER_OF = {"local": "adam local", "ddp": "adam local", "fsdp": "adam fsdp", "fsdp_alone": "adam fsdp_alone"}
+# Each increment: (the setting, its control, what the difference holds)
+INCREMENTS = {"ddp": ("ddp", "local", "DDP over local: its all-reduces and the work around them"),
+              "fsdp_alone": ("fsdp_alone", "local", "FSDP2 alone over local: FSDP2's own work, no peer"),
+              "fsdp": ("fsdp", "fsdp_alone", "FSDP2 over FSDP2 alone: what a peer adds, and half the optimizer's "
+                                             "work taken away")}
+
+
 def predict_step_seconds(mode: str, *, n_params: int, tensors: int, batch: int, flop_rate: float,
-                         adam_seconds: dict[str, float], latency: float, bandwidth: float,
+                         optimizer_seconds: dict[str, float], latency: float, bandwidth: float,
                          bucket_bytes: list[int]) -> dict[str, float]:
     """Our prediction of one training step on 2 ranks, in parts: compute, optimizer, communication (seconds).
 
     compute: 6 x parameters x rows / FLOP rate (forward 2, backward 4 FLOPs per parameter and row, a multiply-add
-    being 2 FLOPs, for a stack of Linear layers), from one measured matmul. optimizer: the measured Adam step on the
-    share a rank updates: adam_seconds["full"] (local, DDP) or adam_seconds["shard"] (ZeRO-1, FSDP: the rank's own
-    share; "half" is read where "shard" is missing). communication, from lesson 01's 2-rank fit t = latency + bytes /
-    bandwidth, with no overlap: DDP all-reduces each of its buckets; ZeRO-1 also broadcasts every parameter tensor
-    from its owner (ZeroRedundancyOptimizer._sync_params, torch/distributed/optim/zero_redundancy_optimizer.py:813-826),
-    each a one-way message (latency / 2 + bytes / bandwidth); FSDP2 all-gathers every layer twice and reduce-scatters
-    it once, each rank sending half (latency / 2 + bytes / (2 bandwidth)). "local" is the control with no peer.
+    being 2 FLOPs, for a stack of Linear layers), from one measured matmul. optimizer: the set-up's own Adam step,
+    measured alone (optimizer_seconds["adam local"] for local and DDP, "adam fsdp" and "adam fsdp_alone" for the
+    two FSDP2 set-ups: DTensors, half of each tensor's rows or all of them). communication, from lesson 01's 2-rank
+    fit t = latency + bytes / bandwidth, with no overlap: DDP all-reduces each of its buckets; FSDP2 all-gathers every
+    layer twice and reduce-scatters it once, each rank sending half (latency / 2 + bytes / (2 bandwidth)); local and
+    fsdp_alone have no peer. Nothing here stands for FSDP2's copies into and out of its buffers or its hooks.
     """
-    model_bytes = 4 * n_params
-    shard = adam_seconds.get("shard", adam_seconds.get("half"))
-    parts = {"compute": 6 * n_params * batch / flop_rate,
-             "optimizer": adam_seconds["full"] if mode in ("local", "ddp") else shard}
+    if mode not in OPTIMIZER_OF:
+        raise ValueError(f"mode must be one of {list(OPTIMIZER_OF)}, not {mode!r}")
     all_reduce = sum(latency + size / bandwidth for size in bucket_bytes)
-    communication = {"local": 0.0, "ddp": all_reduce,
-                     "zero1": all_reduce + tensors * latency / 2 + model_bytes / bandwidth,
-                     "fsdp": 3 * (tensors / 2 * latency / 2 + model_bytes / (2 * bandwidth))}
-    if mode not in communication:
-        raise ValueError(f"mode must be one of {sorted(communication)}, not {mode!r}")
-    return {**parts, "communication": communication[mode]}
+    communication = {"local": 0.0, "fsdp_alone": 0.0, "ddp": all_reduce,
+                     "fsdp": 3 * (tensors / 2 * latency / 2 + 4 * n_params / (2 * bandwidth))}
+    return {"compute": 6 * n_params * batch / flop_rate, "optimizer": optimizer_seconds[OPTIMIZER_OF[mode]],
+            "communication": communication[mode]}
 
 
 def _paired(first: Any, second: Any) -> dict[str, float]:
@@ -853,11 +914,10 @@ def step_figure(analysis: dict[str, Any]) -> Any:
         ax.scatter([t * 1e3 for t in step.wall], [y] * len(step.wall), color="tab:blue", alpha=0.6,
                    label="a round" if y == 0 else None)
         ax.plot([step.median() * 1e3] * 2, [y - 0.3, y + 0.3], color="black", label="median" if y == 0 else None)
-        parts = analysis["predicted"].get(mode)
-        if parts is not None:
-            predicted = parts["compute"] + parts["optimizer"] + (parts["communication"] if analysis["fit_used"] else 0)
-            ax.scatter([predicted * 1e3], [y], marker="x", s=80, color="tab:red",
-                       label="predicted" if mode == "local" else None)
+        parts = analysis["predicted"][mode]
+        predicted = parts["compute"] + parts["optimizer"] + (parts["communication"] if analysis["fit_used"] else 0)
+        ax.scatter([predicted * 1e3], [y], marker="x", s=80, color="tab:red",
+                   label="predicted" if y == 0 else None)
     ax.set_yticks(range(len(analysis["steps"])), list(analysis["steps"]))
     ax.invert_yaxis()
     ax.set(xlabel="ms per step (slowest rank)", xlim=(0, None),
@@ -868,13 +928,13 @@ def step_figure(analysis: dict[str, Any]) -> Any:
 
 
 def step_time_analysis(per_rank: dict[int, dict[str, Any]], tolerance: float = 0.25) -> dict[str, Any]:
-    """What scale_step_time.py measured, merged over the ranks (a round lasts as long as its slowest rank), and our
-    prediction beside it: the latency-bandwidth fit and its residuals (measured / fitted per size; the fit is used to
-    predict only when every residual lies within 1 +- tolerance), the FLOP rate, Adam's step on each share, the
-    predicted parts of each mode, the measured steps, the verdicts of the timing protocol (on wall time, and on the
-    CPU time both ranks' processes ran), and the increments
-    measured round by round: DDP over local, FSDP2 alone over local (FSDP2's own work) and FSDP2 over FSDP2 alone
-    (what a peer adds)."""
+    """What scale_step_time.py measured, merged over the ranks (a round lasts as long as its slowest rank; CPU time
+    adds up over them), and our prediction beside it: the latency-bandwidth fit and its residuals (measured / fitted
+    per size; the fit is used to predict only when every residual lies within 1 +- tolerance); the rates with their
+    rounds (the matmul and each set-up's optimizer step, wall and CPU); the predicted parts of each mode; local's
+    measured / predicted ratio in wall time and in CPU time (the same prediction made from the rates' CPU times); the
+    measured steps and the timing protocol's verdicts (wall, and CPU); and the increments, measured round by round
+    and predicted (predicted setting - predicted control), for each of INCREMENTS."""
     from helpers.kit.timing import across_ranks, fits_within, residual_ratios, verdict
     from helpers.lessons.collectives import fit_latency_bandwidth
     from helpers.lessons.explorers import ddp_buckets
@@ -888,21 +948,53 @@ def step_time_analysis(per_rank: dict[int, dict[str, Any]], tolerance: float = 0
     with torch.device("meta"):  # the worker's layer shapes, for DDP's own bucketing code
         layers = nn.Sequential(*[nn.Linear(first["width"], first["width"]) for _ in range(first["layers"])])
         buckets = ddp_buckets(layers, None)["rebuilt"]
-    flop_rate = 2 * first["batch"] * first["width"] ** 2 / timings["matmul"].median()
-    adam = {"full": timings["adam full"].median(), "shard": timings["adam shard"].median()}
-    rates = dict(n_params=first["n_params"], tensors=first["tensors"], batch=first["batch"], flop_rate=flop_rate,
-                 adam_seconds=adam, latency=latency, bandwidth=bandwidth, bucket_bytes=buckets)
-    steps = {mode: timings[f"step {mode}"] for mode in ("local", "ddp", "fsdp", "fsdp_alone")}
+    rates = {name: timings[name] for name in ("matmul", *sorted(set(OPTIMIZER_OF.values())))}
+
+    def predicted(kind: str) -> dict[str, dict[str, float]]:
+        flop_rate = 2 * first["batch"] * first["width"] ** 2 / rates["matmul"].median(kind)
+        shared = dict(n_params=first["n_params"], tensors=first["tensors"], batch=first["batch"], flop_rate=flop_rate,
+                      optimizer_seconds={name: rates[name].median(kind) for name in rates if name != "matmul"},
+                      latency=latency, bandwidth=bandwidth, bucket_bytes=buckets)
+        return {mode: predict_step_seconds(mode, **shared) for mode in MODES}
+
+    wall, cpu = predicted("wall"), predicted("cpu")
+    steps = {mode: timings[f"step {mode}"] for mode in MODES}
+    local = {"wall": steps["local"].median() / (wall["local"]["compute"] + wall["local"]["optimizer"]),
+             "cpu": steps["local"].median("cpu") / (cpu["local"]["compute"] + cpu["local"]["optimizer"])}
+    total = {mode: sum(parts.values()) for mode, parts in wall.items()}
     return {"latency": latency, "bandwidth": bandwidth, "sizes": sizes, "sweep": sweep, "ratios": ratios,
-            "fit_used": fits_within(ratios, tolerance), "tolerance": tolerance, "flop_rate": flop_rate, "adam": adam,
-            "buckets": buckets, "steps": steps, "rounds": len(steps["local"].wall),
-            "predicted": {mode: predict_step_seconds(mode, **rates) for mode in ("local", "ddp", "fsdp")},
-            "verdicts": {"ddp": verdict(steps["ddp"], steps["local"]),
-                         "fsdp_alone": verdict(steps["fsdp_alone"], steps["local"]),
-                         "fsdp": verdict(steps["fsdp"], steps["fsdp_alone"])},
-            "cpu_verdicts": {"ddp": verdict(steps["ddp"], steps["local"], "cpu"),
-                             "fsdp_alone": verdict(steps["fsdp_alone"], steps["local"], "cpu"),
-                             "fsdp": verdict(steps["fsdp"], steps["fsdp_alone"], "cpu")},
-            "increments": {"ddp": _paired(steps["ddp"], steps["local"]),
-                           "fsdp_alone": _paired(steps["fsdp_alone"], steps["local"]),
-                           "fsdp": _paired(steps["fsdp"], steps["fsdp_alone"])}}
+            "fit_used": fits_within(ratios, tolerance), "tolerance": tolerance, "rates": rates,
+            "flop_rate": 2 * first["batch"] * first["width"] ** 2 / rates["matmul"].median(), "buckets": buckets,
+            "steps": steps, "rounds": len(steps["local"].wall), "predicted": wall, "local_ratio": local,
+            "optimizer_verdicts": {kind: verdict(rates["adam fsdp_alone"], rates["adam local"], kind)
+                                   for kind in ("wall", "cpu")},
+            "verdicts": {name: verdict(steps[a], steps[b]) for name, (a, b, _) in INCREMENTS.items()},
+            "cpu_verdicts": {name: verdict(steps[a], steps[b], "cpu") for name, (a, b, _) in INCREMENTS.items()},
+            "increments": {name: _paired(steps[a], steps[b]) for name, (a, b, _) in INCREMENTS.items()},
+            "predicted_increments": {name: total[a] - total[b] for name, (a, b, _) in INCREMENTS.items()}}
+
+
+def increment_report(analysis: dict[str, Any]) -> list[str]:
+    """The lines section 6 prints for each increment: the protocol's verdicts (wall, CPU), the increment round by
+    round, and what the model predicted for it, judged only where the fit may predict and the verdict tells the two
+    settings apart."""
+    def ms(seconds: float) -> str:
+        return f"{seconds * 1e3:.1f} ms"
+
+    lines = []
+    for name, (_, _, what) in INCREMENTS.items():
+        inc, predicted = analysis["increments"][name], analysis["predicted_increments"][name]
+        needs_fit = analysis["predicted"][INCREMENTS[name][0]]["communication"] > 0
+        if needs_fit and not analysis["fit_used"]:
+            said = f"the model's {ms(predicted)} is not a prediction here (the fit's residuals are too large)"
+        elif not analysis["verdicts"][name].distinguishable:
+            said = f"the model predicts {ms(predicted)}, which this run cannot test: it cannot tell the two apart"
+        else:
+            inside = inc["low"] <= predicted <= inc["high"]
+            said = f"the model predicts {ms(predicted)}, {'inside' if inside else 'outside'} the measured range"
+        if name == "fsdp_alone":  # no peer, so no communication: the optimizer over DTensors is the model's only term
+            said += "; of FSDP2's own work the model has a term for the optimizer only, none for copies and hooks"
+        lines += [f"{what}:", f"  VERDICT {analysis['verdicts'][name].sentence}",
+                  f"  per round {ms(inc['median'])} (from {ms(inc['low'])} to {ms(inc['high'])}); {said}",
+                  f"  CPU: {analysis['cpu_verdicts'][name].sentence}"]
+    return lines

@@ -29,6 +29,7 @@ import resource
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -37,6 +38,7 @@ import psutil
 from helpers import REPO_ROOT as ROOT
 
 SAMPLE_SECONDS = 0.2
+BUDGET_MIB = 1536  # one learner: the lesson's peak plus the Jupyter server (docs/facilitator.md)
 PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -114,10 +116,29 @@ def _cmdline(process: psutil.Process) -> str:
         return ""
 
 
+def tree_mib(process: psutil.Process) -> float:
+    """PSS of `process` and everything below it, in MiB."""
+    return sum(_pss(p) for p in [process, *_tree(process)]) / 2**20
+
+
+def idle_server_mib(server: psutil.Process, url: str, timeout: float = 60) -> float:
+    """PSS of a JupyterLab server that answers at `url` (with its token) and has served its /lab page once: what
+    a learner runs beside the lesson, idle. The browser test measures its own server this way."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(url, timeout=5).read()
+            break
+        except OSError:
+            time.sleep(0.3)
+    return tree_mib(server)
+
+
 def jupyter_server_mib(timeout: float = 60) -> float:
     """PSS of an idle JupyterLab server, started here and stopped (what a learner runs beside the lesson)."""
     import socket
-    import urllib.request
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -127,18 +148,45 @@ def jupyter_server_mib(timeout: float = 60) -> float:
                                    f"--port={port}", "--ServerApp.token=sizing", f"--ServerApp.root_dir={root}",
                                    "--allow-root"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                try:
-                    urllib.request.urlopen(f"http://127.0.0.1:{port}/lab?token=sizing", timeout=5).read()
-                    break
-                except OSError:
-                    time.sleep(0.3)
-            handle = psutil.Process(server.pid)
-            return sum(_pss(p) for p in [handle, *_tree(handle)]) / 2**20
+            return idle_server_mib(psutil.Process(server.pid), f"http://127.0.0.1:{port}/lab?token=sizing", timeout)
         finally:
             server.terminate()
             server.wait(timeout=30)
+
+
+class PeakSampler:
+    """Samples the PSS of a process tree every SAMPLE_SECONDS on a thread of its own, from start() to stop(), and keeps
+    the peak, the split by kind at that peak and the most processes alive at once. `root` itself is counted when
+    include_root (a kernel, as JupyterLab starts it) and left out when not (the notebook runner above a kernel)."""
+
+    def __init__(self, root: psutil.Process, include_root: bool = False):
+        self.root, self.include_root = root, include_root
+        self.peak_bytes, self.peak_processes, self.at_peak = 0, 0, dict.fromkeys(KINDS, 0.0)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="sizing-sampler", daemon=True)
+
+    def start(self) -> PeakSampler:
+        self._thread.start()
+        return self
+
+    def stop(self) -> dict[str, float]:
+        self._stop.set()
+        self._thread.join()
+        return {"peak MiB": self.peak_bytes / 2**20, "peak processes": self.peak_processes, "at peak": self.at_peak}
+
+    def _run(self) -> None:
+        while True:
+            self.sample()
+            if self._stop.wait(SAMPLE_SECONDS):
+                self.sample()  # and once more at the end, so a run shorter than a period is seen
+                return
+
+    def sample(self) -> None:
+        processes = ([self.root] if self.include_root else []) + _tree(self.root)
+        sizes = [_pss(p) for p in processes]
+        self.peak_processes = max(self.peak_processes, len(processes))
+        if sum(sizes) > self.peak_bytes:
+            self.peak_bytes, self.at_peak = sum(sizes), _by_kind(processes, sizes)
 
 
 def measure(notebook: Path, inplace: bool = False) -> dict[str, float]:
@@ -150,28 +198,41 @@ def measure(notebook: Path, inplace: bool = False) -> dict[str, float]:
         command = [sys.executable, "-m", "helpers.tools.notebook_tools", str(notebook)]
         runner = subprocess.Popen(command + ([] if inplace else ["--no-store"]),
                                   stdout=subprocess.DEVNULL, stderr=open(Path(scratch) / "runner.log", "w"))
-        handle = psutil.Process(runner.pid)
-        peak_bytes, peak_processes, at_peak = 0, 0, dict.fromkeys(KINDS, 0.0)
-        while runner.poll() is None:
-            processes = _tree(handle)  # the kernel and all below it; the runner itself is left out
-            sizes = [_pss(p) for p in processes]
-            peak_processes = max(peak_processes, len(processes))
-            if sum(sizes) > peak_bytes:
-                peak_bytes, at_peak = sum(sizes), _by_kind(processes, sizes)
-            time.sleep(SAMPLE_SECONDS)
+        sampler = PeakSampler(psutil.Process(runner.pid)).start()  # the kernel and all below it, not the runner
+        runner.wait()
+        figures = sampler.stop()
         seconds = time.perf_counter() - started
         _reap_all(time.time() + 10)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return {"peak MiB": peak_bytes / 2**20, "peak processes": peak_processes, "CPU-seconds": cpu,
-            "wall seconds": seconds, "errors": runner.returncode != 0, "at peak": at_peak}
+    return {**figures, "CPU-seconds": cpu, "wall seconds": seconds, "errors": runner.returncode != 0}
+
+
+def header() -> str:
+    return (f"{'lesson':<40} {'peak MiB':>8} {'+server':>8} " + " ".join(f"{k:>13}" for k in KINDS)
+            + f" {'processes':>9} {'CPU-s':>6} {'wall s':>6}")
+
+
+def row(name: str, figures: dict, server_mib: float, budget_mib: float) -> tuple[str, bool]:
+    """The table's line for one lesson, and whether it fails: cells raised errors, or the peak plus the Jupyter server
+    is over budget_mib. CPU-seconds and wall seconds read "-" where `figures` lacks them."""
+    total = figures["peak MiB"] + server_mib
+    over = total > budget_mib
+    flags = ("  (cells raised errors: see the lesson)" if figures["errors"] else "") + \
+            (f"  OVER {budget_mib:.0f} MiB" if over else "")
+    seconds = " ".join(f"{figures[k]:>6.0f}" if k in figures else f"{'-':>6}" for k in ("CPU-seconds", "wall seconds"))
+    line = (f"{name:<40} {figures['peak MiB']:>8.0f} {total:>8.0f} "
+            + " ".join(f"{figures['at peak'][k]:>13.0f}" for k in KINDS)
+            + f" {figures['peak processes']:>9} {seconds}{flags}")
+    return line, over or figures["errors"]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("notebooks", nargs="*", type=Path)
     parser.add_argument("--inplace", action="store_true", help="store each executed lesson (maintainers)")
-    parser.add_argument("--budget-mib", type=float, default=1536, help="peak + Jupyter server allowed per learner")
+    parser.add_argument("--budget-mib", type=float, default=BUDGET_MIB,
+                        help="peak + Jupyter server allowed per learner")
     args = parser.parse_args()
     _become_subreaper()
     notebooks = args.notebooks or [path for pattern in ("[0-9][0-9]_*.ipynb", "A[0-9]_*.ipynb")  # lessons, appendices
@@ -183,20 +244,13 @@ def main() -> int:
     server = jupyter_server_mib()
     print(f"Jupyter server (JupyterLab, idle): {server:.0f} MiB, added to each lesson's peak for the budget of "
           f"{args.budget_mib:.0f} MiB", flush=True)
-    print(f"{'lesson':<40} {'peak MiB':>8} {'+server':>8} " + " ".join(f"{k:>13}" for k in KINDS)
-          + f" {'processes':>9} {'CPU-s':>6} {'wall s':>6}", flush=True)
+    print(header(), flush=True)
     over = []
     for notebook in notebooks:
-        row = measure(notebook.resolve(), inplace=args.inplace)
-        total = row["peak MiB"] + server
-        flags = ("  (cells raised errors: see the lesson)" if row["errors"] else "") + \
-                (f"  OVER {args.budget_mib:.0f} MiB" if total > args.budget_mib else "")
-        if total > args.budget_mib or row["errors"]:
+        line, failed = row(notebook.name, measure(notebook.resolve(), inplace=args.inplace), server, args.budget_mib)
+        if failed:
             over.append(notebook.name)
-        print(f"{notebook.name:<40} {row['peak MiB']:>8.0f} {total:>8.0f} "
-              + " ".join(f"{row['at peak'][k]:>13.0f}" for k in KINDS)
-              + f" {row['peak processes']:>9} {row['CPU-seconds']:>6.0f} {row['wall seconds']:>6.0f}{flags}",
-              flush=True)
+        print(line, flush=True)
     print(f"\n{psutil.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB; "
           f"LESSONS_CPUS={os.environ.get('LESSONS_CPUS', 'unset')}")
     if over:

@@ -7,7 +7,8 @@ with that batch's own mean and variance. DDP averages gradients only. With forwa
 (the default; DistributedDataParallel._pre_forward calls _sync_buffers) rank 0's buffers are
 broadcast at the start of every forward. Either way each rank normalises with its *own* batch's
 statistics, so the gradient is not one big batch's. SyncBatchNorm computes the statistics over all
-ranks (torch/nn/modules/_functions.py); in torch 2.14 it accepts only GPU-like devices, not the CPU.
+ranks (torch/nn/modules/_functions.py); in torch 2.14 it accepts only GPU-like devices: on the CPU, DDP refuses
+to wrap it, and the layer alone refuses a CPU input in a training forward (the last outcome, without DDP).
 """
 import argparse
 import itertools
@@ -69,9 +70,16 @@ def main() -> None:
                     outcome["gradient_diff"] = (gradient - reference).abs().max().item()
                 optimizer.step()
             outcome["running_mean_at_forward"] = seen
-        except ValueError as error:  # SyncBatchNorm on a CPU: DDP refuses it
+        except ValueError as error:  # SyncBatchNorm on a CPU: DDP's constructor refuses it
             outcome["error"] = f"{type(error).__name__}: {error}"
         outcomes[mode] = outcome
+    # the layer's own rule, without DDP: a training forward, with a process group, on this device
+    alone = nn.SyncBatchNorm.convert_sync_batchnorm(batchnorm_mlp()).to(device)
+    try:
+        alone(images[:args.per_rank_batch])
+        outcomes["SyncBatchNorm, without DDP"] = {"forward": "ran"}
+    except ValueError as error:  # on a CPU: SyncBatchNorm.forward refuses the input
+        outcomes["SyncBatchNorm, without DDP"] = {"error": f"{type(error).__name__}: {error}"}
     result(outcomes=outcomes, device=device.type)
     dist.destroy_process_group()
 

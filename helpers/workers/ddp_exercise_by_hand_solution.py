@@ -48,7 +48,9 @@ def main() -> None:
         samples_seen += len(labels)
     if rank == 0:
         print(f"trained on {samples_seen} samples per rank, last loss {loss.item():.3f}")
-    result(weights=flat(list(model.parameters())), samples_seen=samples_seen)
+    # the weights, and each parameter's .grad after the last step: the check compares both across the ranks
+    result(weights=flat(list(model.parameters())), gradients=[p.grad for p in model.parameters()],
+           samples_seen=samples_seen)
     dist.destroy_process_group()
 
 

@@ -2,8 +2,8 @@
 
     python helpers/workers/ddp_exercise_single.py
 
-Keep the `result(...)` call: the notebook's check_ddp_worker() reads it. The data order is fixed
-(no shuffle) so that a correct DDP version ends with the same weights as this script.
+Keep the `result(...)` call: the notebook's check_ddp_worker() reads it (the weights, and each .grad after the last
+step). The data order is fixed (no shuffle) so that a correct DDP version ends with the same weights as this script.
 """
 import torch
 from torch import nn
@@ -32,7 +32,9 @@ def main() -> None:
         optimizer.step()
         samples_seen += len(labels)
     print(f"trained on {samples_seen} samples, last loss {loss.item():.3f}")
-    result(weights=flat(list(model.parameters())), samples_seen=samples_seen)
+    # the weights, and each parameter's .grad after the last step: the check compares both across the ranks
+    result(weights=flat(list(model.parameters())), gradients=[p.grad for p in model.parameters()],
+           samples_seen=samples_seen)
 
 
 if __name__ == "__main__":

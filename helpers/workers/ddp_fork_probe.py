@@ -6,7 +6,9 @@
 
 The parent does what its argument says, forks, and the child calls torch.cuda.init() and prints what happened, in
 one line: "child: CUDA initialised", or the error's type and first sentence. No GPU is needed: on a machine
-without one, the child's error says whether it failed for that reason or because the fork was poisoned.
+without one, the child's error says whether it failed for that reason or because the fork was poisoned. Last, the
+parent prints whether NVIDIA's management library (NVML) could count the GPUs here ("nvml counted: yes" or "no"):
+device_count() asks NVML first and poisons the fork only when NVML cannot answer.
 """
 import os
 import sys
@@ -29,3 +31,6 @@ if child == 0:  # the forked child
         print(f"child: {type(error).__name__}: {str(error).split('. ')[0]}", flush=True)
     os._exit(0)
 os.waitpid(child, 0)
+# NVML's count, asked only now (it never poisons a fork): negative when NVML could not answer
+counted = getattr(torch.cuda, "_device_count_nvml", lambda: -1)()
+print(f"nvml counted: {'yes' if counted >= 0 else 'no'}", flush=True)

@@ -38,9 +38,10 @@ def evaluate(model: nn.Module, device: torch.device) -> tuple[float, int]:
     test_set, _ = load(train=False)
     correct = total = 0
     model.eval()
-    for images, labels in DataLoader(test_set, batch_size=256):
-        predictions = model(images.to(device)).argmax(dim=1)
-        correct, total = correct + (predictions == labels.to(device)).sum().item(), total + len(labels)
+    with torch.no_grad():  # no graph to build: evaluation computes no gradients
+        for images, labels in DataLoader(test_set, batch_size=256):
+            predictions = model(images.to(device)).argmax(dim=1)
+            correct, total = correct + (predictions == labels.to(device)).sum().item(), total + len(labels)
     model.train()
     return correct / total, total
 

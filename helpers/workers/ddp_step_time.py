@@ -5,9 +5,12 @@
 A step is forward, backward (with DDP: the gradient all-reduce) and the optimizer step, on a batch already in
 memory: no data loading, no start-up, no evaluation; always --global-batch samples in all, split over the ranks
 under DDP. The settings, for each model:
-- "DDP, 2 ranks": every rank, one thread each, its share of the global batch;
-- "DDP, no all-reduce": the same, with a comm hook that hands each gradient bucket back unchanged (nothing is sent;
-  each rank steps with its own gradients): its difference from DDP is what the all-reduce costs;
+- "DDP, 2 ranks": every rank, one thread each, its share of the global batch, DDP's built-in (C++) all-reduce;
+- "DDP, Python all-reduce hook": the same with torch's own allreduce_hook, a Python comm hook that all-reduces
+  each gradient bucket as the built-in one does;
+- "DDP, no all-reduce": the same with a Python comm hook that hands each bucket back unchanged (nothing is sent;
+  each rank steps with its own gradients). Its difference from the Python all-reduce hook is what the all-reduce
+  costs, with the same Python hook machinery on both sides;
 - "all-reduce alone": every rank all-reduces as many floats as the model has gradients, with no training around it;
 - "1 rank, batch 32": rank 0 alone, one thread, the per-rank batch: what each DDP rank computes;
 - "1 rank, 1 thread" and "1 rank, 2 threads": rank 0 alone with the whole global batch.
@@ -22,6 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from helpers.kit.distributed import init_distributed
@@ -69,10 +73,13 @@ def settings_for(name: str, rank: int, world_size: int, global_batch: int) -> di
     torch.manual_seed(0)
     quiet = DDP(build_model(name))
     quiet.register_comm_hook(None, no_all_reduce)
+    python_hook = DDP(build_model(name))
+    python_hook.register_comm_hook(None, allreduce_hook)  # state None: the default process group
     per_rank = global_batch // world_size
     floats = sum(p.numel() for p in build_model(name).parameters())
     return {
         f"{name}, DDP, {world_size} ranks": training_step(DDP(build_model(name)), per_rank, 1),
+        f"{name}, DDP, Python all-reduce hook": training_step(python_hook, per_rank, 1),
         f"{name}, DDP, no all-reduce": training_step(quiet, per_rank, 1),
         f"{name}, all-reduce alone": all_reduce_alone(floats),
         f"{name}, 1 rank, batch {per_rank}": rank_0_only(lambda: training_step(build_model(name), per_rank, 1)),
@@ -98,9 +105,10 @@ def main() -> None:
     waited = {"wall_seconds": 0.0, "cpu_seconds": 0.0}
     turns = [0]
 
+    total_turns = (args.warmup + args.rounds) * len(settings)
+
     def barrier() -> None:  # every turn starts on every rank at once; the other ranks wait here while rank 0 runs
-        if turns[0] % len(settings) == 0:
-            progress(turns[0] // len(settings), args.warmup + args.rounds)
+        progress(turns[0], total_turns)
         turns[0] += 1
         wall, cpu = time.perf_counter(), time.process_time()
         dist.barrier()
@@ -110,7 +118,7 @@ def main() -> None:
 
     timings = take_turns(settings, rounds=args.rounds, warmup=args.warmup, repeat=args.block_steps, between=barrier)
     dist.barrier()
-    progress(args.warmup + args.rounds, args.warmup + args.rounds)
+    progress(total_turns, total_turns)
     result(timings={name: timing.as_dict() for name, timing in timings.items()}, waited=waited,
            world_size=world_size, parameters={name: sum(p.numel() for p in build_model(name).parameters())
                                               for name in args.model})

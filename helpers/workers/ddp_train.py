@@ -64,10 +64,11 @@ def evaluate(model: nn.Module, device: torch.device, rank: int, world_size: int)
     counts = torch.zeros(2, device=device)  # correct, total
     counted: list[int] = []  # the test-set indices this rank counted, in order
     model.eval()
-    for images, labels in DataLoader(my_share, batch_size=256):
-        predictions = model(images.to(device)).argmax(dim=1)
-        counts += torch.tensor([(predictions == labels.to(device)).sum().item(), len(labels)], device=device)
-        counted += my_share.indices[len(counted):len(counted) + len(labels)]
+    with torch.no_grad():  # no graph to build: evaluation computes no gradients
+        for images, labels in DataLoader(my_share, batch_size=256):
+            predictions = model(images.to(device)).argmax(dim=1)
+            counts += torch.tensor([(predictions == labels.to(device)).sum().item(), len(labels)], device=device)
+            counted += my_share.indices[len(counted):len(counted) + len(labels)]
     dist.all_reduce(counts)
     model.train()
     return (counts[0] / counts[1]).item(), int(counts[1].item()), counted

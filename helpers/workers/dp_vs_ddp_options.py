@@ -12,7 +12,9 @@ bucket view), but only with set_to_none=False does the reducer skip copying each
 (Reducer::mark_variable_ready_dense, reducer.cpp: "If grad has already been set as views of buckets in previous
 iterations, no copy is needed"). Last, a model with a branch it never uses, without
 find_unused_parameters: DDP waits for gradients that never come and says so on the next iteration; and a
-model with a frozen layer, which needs no find_unused_parameters: DDP never registers it.
+model with a frozen layer, which needs no find_unused_parameters if it is frozen before DDP wraps the model (DDP
+registers only the parameters that require grad, when it is constructed), and fails like the unused branch if it
+is frozen after.
 gloo on CPU, nccl on GPUs.
 """
 import argparse
@@ -100,13 +102,20 @@ def unused_branch_error(device: torch.device) -> str:
     return "no error"
 
 
-def frozen_head(device: torch.device) -> dict:
-    """A frozen layer (requires_grad_(False)) under default DDP: 3 steps, and how many tensors DDP registered."""
+def frozen_head(device: torch.device, after_wrapping: bool = False) -> dict:
+    """A frozen layer (requires_grad_(False)) under default DDP, frozen before DDP wraps the model (or after): 3 steps,
+    and how many tensors DDP registered, or DDP's complaint."""
     model = nn.Sequential(nn.Linear(8, 4), nn.Linear(4, 4)).to(device)
-    model[1].requires_grad_(False)  # frozen: DDP only registers parameters that require grad
+    if not after_wrapping:
+        model[1].requires_grad_(False)  # frozen first: DDP only registers parameters that require grad
     ddp = DDP(model)
-    for _ in range(3):
-        ddp(torch.rand(4, 8, device=device)).sum().backward()
+    if after_wrapping:
+        model[1].requires_grad_(False)  # frozen too late: DDP registered it and waits for its gradient
+    for step in range(3):
+        try:
+            ddp(torch.rand(4, 8, device=device)).sum().backward()
+        except RuntimeError as error:
+            return {"error": str(error).split(". ")[0] + ".", "iteration": step + 1}
     return {"steps": 3, "parameters": len(list(model.parameters())),
             "registered": int(ddp._get_ddp_logging_data()["num_parameter_tensors"])}
 
@@ -140,7 +149,8 @@ def main() -> None:
         result(**{name: {"grad_storages": storages, "parameters": len(grads), "grad_mib": round(grad_mib, 2),
                          "buckets": len(buckets.split(", ")) if buckets else 0}})
     result(bucket_view_zeroing=[bucket_view_copies(device, stn, images, labels) for stn in (False, True)])
-    result(unused_error=unused_branch_error(device), frozen_head=frozen_head(device))
+    result(unused_error=unused_branch_error(device), frozen_head=frozen_head(device),
+           frozen_after_wrapping=frozen_head(device, after_wrapping=True))
     dist.destroy_process_group()
 
 

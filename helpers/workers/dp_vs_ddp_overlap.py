@@ -1,12 +1,15 @@
-"""Does DDP's communication overlap the backward pass, and does that shorten the step? Three settings take turns.
+"""Does DDP's communication overlap the backward pass, and does that shorten the step? Four settings take turns.
 
     torchrun --standalone --nproc-per-node 2 helpers/workers/dp_vs_ddp_overlap.py --rounds 5
 
-The same deep MLP under DDP three ways, every rank running the same steps (forward and backward):
+The same deep MLP under DDP four ways, every rank running the same steps (forward and backward):
 - "4 buckets": bucket_cap_mb=1, so the first buckets' all-reduces can start while backward goes on;
 - "1 bucket": bucket_cap_mb=25, one bucket for the whole model, all-reduced after the last gradient: no overlap;
-- "4 buckets, no all-reduce": the first setting with a comm hook that hands each bucket back unchanged (a control:
-  the same backward and DDP bookkeeping, nothing sent).
+- "4 buckets, Python all-reduce hook": the first setting with torch's own allreduce_hook, a Python comm hook that
+  all-reduces each bucket as DDP's built-in (C++) one does;
+- "4 buckets, no all-reduce": the first setting with a Python comm hook that hands each bucket back unchanged.
+  Against the Python all-reduce hook it is a control: the same backward, DDP bookkeeping and Python hook machinery,
+  nothing sent. (Against the built-in hook it would also leave out what a Python hook costs.)
 The settings take turns (helpers/kit/timing.py: a shuffled order each round, the same on every rank, after a warm-up
 round, each turn after a barrier), wall time and CPU time side by side. Every backward is also timed by itself: its
 wall time, and the CPU time of the training thread in it (time.thread_time: what the thread computed, without the
@@ -21,6 +24,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -107,8 +111,9 @@ def main() -> None:
     torch.set_num_threads(1)
     images = torch.rand(args.per_rank_batch, 1, 28, 28)
     labels = torch.randint(0, 10, (args.per_rank_batch,))
-    # No Python comm hook on the measured settings: it would add Python work (and the GIL) inside the backward.
+    # DDP's built-in hook on the settings that ask about overlap; the two Python hooks are the communication's control
     settings = {"4 buckets": Setting(1, None, images, labels), "1 bucket": Setting(25, None, images, labels),
+                "4 buckets, Python all-reduce hook": Setting(1, allreduce_hook, images, labels),
                 "4 buckets, no all-reduce": Setting(1, no_all_reduce, images, labels)}
     turns = [0]
 

@@ -17,7 +17,8 @@ The model: helpers.kit.faster_step.build_model(512, 3), 932,362 parameters (3.7 
 4. Compiled autograd (torch._dynamo.config.compiled_autograd with optimize_ddp="python_reducer"): the train step
    compiled whole with aot_eager; the graphs, and the all-reduces inside the backward graph. Last, because
    python_reducer changes global settings of dynamo and inductor.
-Works with one process.
+On GPUs (nccl) the models and batches go to this rank's GPU, inductor writes Triton kernels instead of C++ (no C++
+compiler check), and every timed step waits for its kernels. Works with one process.
 """
 import argparse
 import logging
@@ -39,6 +40,7 @@ from helpers.kit.faster_step import (
     release,
     require_cxx,
     still_working,
+    synchronize,
 )
 from helpers.kit.instruments import AllreduceCounter, counting_allreduce_hook
 from helpers.kit.models import mlp
@@ -46,6 +48,7 @@ from helpers.kit.reporting import progress, result
 from helpers.kit.timing import take_turns
 
 WIDTH, DEPTH = 512, 3
+DEVICE = torch.device("cpu")  # this rank's device, set in main()
 CAPS = {"1 MiB": 1, "default (25 MiB, first 1 MiB)": None, "25 MiB": 25}
 
 
@@ -75,11 +78,13 @@ def train_step(model, batch) -> torch.Tensor:
     model.zero_grad(set_to_none=True)
     loss = torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
     loss.backward()
+    synchronize(DEVICE)
     return loss
 
 
 def ddp(cap_mb, counter: AllreduceCounter | None = None) -> DDP:
-    model = DDP(build_model(WIDTH, DEPTH)) if cap_mb is None else DDP(build_model(WIDTH, DEPTH), bucket_cap_mb=cap_mb)
+    module = build_model(WIDTH, DEPTH).to(DEVICE)
+    model = DDP(module) if cap_mb is None else DDP(module, bucket_cap_mb=cap_mb)
     if counter is not None:
         model.register_comm_hook(counter, counting_allreduce_hook)
     return model
@@ -104,7 +109,7 @@ def sequential_graphs(batch) -> int:
     """Graphs dynamo makes of DDP over an nn.Sequential (lesson 03's mlp), whose forward is torch.nn's own."""
     torch._dynamo.reset()
     backend = GraphCounter("aot_eager")
-    train_step(torch.compile(DDP(mlp(256, 2)), backend=backend), batch)
+    train_step(torch.compile(DDP(mlp(256, 2).to(DEVICE)), backend=backend), batch)
     return len(backend.graphs)
 
 
@@ -130,11 +135,11 @@ def inductor(batches, rounds: int) -> dict:
     found = [None, None]  # rank 0's compiler (or why there is none), and its cold first step
     if dist.get_rank() == 0:
         try:
-            found[0] = require_cxx()
+            found[0] = require_cxx() if DEVICE.type == "cpu" else "none needed (Triton, on the GPU)"
         except NoCompiler as error:
             found[0] = error
         if not isinstance(found[0], NoCompiler):
-            solo = torch.compile(DDP(build_model(WIDTH, DEPTH), process_group=alone), backend="inductor")
+            solo = torch.compile(DDP(build_model(WIDTH, DEPTH).to(DEVICE), process_group=alone), backend="inductor")
             start = time.perf_counter()
             train_step(solo, batches[0])
             found[1] = time.perf_counter() - start
@@ -189,10 +194,11 @@ def main() -> None:
     parser.add_argument("--parts", default="inductor,splits,autograd", help="which parts to run (the tests run one)")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
+    global DEVICE
     cache = prepare_compile()
-    rank, world_size, _ = init_distributed()
+    rank, world_size, DEVICE = init_distributed()
     torch_log = TorchLog()
-    batches = digits_batches(rank, 32, 3)
+    batches = digits_batches(rank, 32, 3, DEVICE)
     talk, found = rank == 0, {}
     if "inductor" in parts:
         with still_working("rank 0: inductor, rank 0 alone first (cold cache), then both ranks (warm)", enabled=talk):

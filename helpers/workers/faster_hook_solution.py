@@ -1,6 +1,6 @@
 """Exercise solution (lesson 13): a DDP communication hook that all-reduces each bucket in 16 bits.
 
-    torchrun --standalone --nproc-per-node 2 helpers/workers/faster_hook_check.py --impl solution
+    torchrun --standalone --nproc-per-node 3 helpers/workers/faster_hook_check.py --impl solution
 
 Cast the bucket to bfloat16 (2 bytes per value instead of 4, the same exponent range as float32, so a sum cannot
 overflow), all-reduce it asynchronously, and return the all-reduce's future chained with a callback that casts

@@ -8,8 +8,10 @@ order that is the same on every rank, after warm-up, for `--rounds` rounds, and 
 Each rank hands back its own rounds; the notebook merges them (helpers.kit.timing.across_ranks: a round lasts as
 long as its slowest rank). Measured, each as one set of settings taking turns:
 - an all_reduce of each size from 4 KB to 16 MB: the data lesson 01's latency-bandwidth fit is made from;
-- one forward matmul of the model's shape (the FLOP rate), and one Adam step without communication on each share
-  of the parameters a rank updates: the whole model (local, DDP) and FSDP2's shard (half of each tensor's rows);
+- one forward matmul of the model's shape (the FLOP rate);
+- the optimizer step alone (Adam, no communication) of three set-ups, gradients in place: "local" (plain tensors,
+  the whole model, as DDP's), "fsdp_alone" (DTensors holding the whole model) and "fsdp" (DTensors holding half of
+  each tensor's rows);
 - the training step (forward, backward, optimizer step) of "local" (the plain model, no communication at all: a
   control), "ddp", "fsdp" (`fully_shard` on every layer, then the model) and "fsdp_alone" (FSDP2 over a group of
   one rank: all of its own work, no peer: a control).
@@ -40,16 +42,6 @@ def training_step(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: to
     model(inputs).square().mean().backward()
     optimizer.step()
     optimizer.zero_grad()
-
-
-def adam_on(tensors: list[torch.Tensor]) -> torch.optim.Optimizer:
-    """An Adam over copies of `tensors`, gradients set and state created: its step() is one update, no communication."""
-    params = [nn.Parameter(t.detach().clone()) for t in tensors]
-    for p in params:
-        p.grad = torch.ones_like(p)
-    optimizer = torch.optim.Adam(params, lr=1e-4)
-    optimizer.step()
-    return optimizer
 
 
 def set_up(mode: str, width: int, layers: int, alone: dist.ProcessGroup) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -86,7 +78,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args()
     rank, world_size, _ = init_distributed("gloo")  # this machine's CPU: the prediction is for it
-    settings = len(SIZES) + 3 + 4  # all-reduce sizes; matmul and two Adam shares; four steps
+    settings = len(SIZES) + 1 + 3 + 4  # all-reduce sizes; matmul; three optimizer steps; four training steps
     turns = dict(rounds=args.rounds, warmup=args.warmup, between=Turns((args.rounds + args.warmup) * settings))
     timings = {}
 
@@ -94,21 +86,22 @@ def main() -> None:
     timings.update(take_turns({f"all_reduce {size}": lambda t=t: dist.all_reduce(t) for size, t in buffers.items()},
                               **turns))
 
-    model = build(args.width, args.layers)
-    weight, activations = torch.randn(args.width, args.width), torch.randn(args.batch, args.width)
-    full, shard = adam_on(list(model.parameters())), adam_on([p[: p.shape[0] // 2] for p in model.parameters()])
-    timings.update(take_turns({"matmul": lambda: activations @ weight, "adam full": full.step,
-                               "adam shard": shard.step}, repeat=5, **turns))
-
     # one group per rank, made by every rank in the same order: FSDP2 over a group of one has no peer to talk to
     alone = [dist.new_group([r]) for r in range(world_size)][rank]
     inputs = torch.randn(args.batch, args.width, generator=torch.Generator().manual_seed(rank))
     setups = {mode: set_up(mode, args.width, args.layers, alone) for mode in ("local", "ddp", "fsdp", "fsdp_alone")}
+    for model, optimizer in setups.values():  # gradients in place and Adam's state made: step() is one update
+        model(inputs).square().mean().backward()
+        optimizer.step()
+    weight, activations = torch.randn(args.width, args.width), torch.randn(args.batch, args.width)
+    timings.update(take_turns({"matmul": lambda: activations @ weight,
+                               **{f"adam {mode}": setups[mode][1].step for mode in ("local", "fsdp", "fsdp_alone")}},
+                              repeat=5, **turns))
     timings.update(take_turns({f"step {mode}": lambda m=model, o=optimizer: training_step(m, o, inputs)
                                for mode, (model, optimizer) in setups.items()}, **turns))
     result(timings={name: timing.as_dict() for name, timing in timings.items()}, sizes=SIZES,
-           n_params=sum(p.numel() for p in model.parameters()), tensors=2 * args.layers, width=args.width,
-           layers=args.layers, batch=args.batch, world_size=world_size)
+           n_params=sum(p.numel() for p in setups["local"][0].parameters()), tensors=2 * args.layers,
+           width=args.width, layers=args.layers, batch=args.batch, world_size=world_size)
     dist.destroy_process_group()
 
 

@@ -35,9 +35,11 @@ def test_step_time_reading_prints_the_protocols_verdicts(capsys):
         names = step_settings(model)
         ddp_spread = 0.1 if model == "simple" else 3.0  # the CNN's DDP rounds overlap the one-process rounds
         for role, centre, spread in (("one", 10.0, 0.1), ("two_threads", 10.0, 0.1), ("half", 5.0, 0.1),
-                                     ("quiet", 6.0, 0.1), ("ddp", 14.0, ddp_spread), ("bare", 1.0, 0.1)):
+                                     ("quiet", 6.0, 0.1), ("python_hook", 14.5, ddp_spread), ("ddp", 14.0, ddp_spread),
+                                     ("bare", 1.0, 0.1)):
             wall = rounds(centre, spread)
-            cpu = rounds(2 * centre if role in ("ddp", "quiet", "bare") else centre, 0.1)  # two ranks' CPU add up
+            two_ranks = role in ("ddp", "python_hook", "quiet", "bare")  # two ranks' CPU add up
+            cpu = rounds(2 * centre if two_ranks else 3 * centre if role == "two_threads" else centre, 0.1)
             timings[names[role]] = Timing(names[role], wall, cpu)
     verdicts = read_step_times(timings, {"simple": 8070, "cnn": 20490})
     out = capsys.readouterr().out
@@ -45,6 +47,14 @@ def test_step_time_reading_prints_the_protocols_verdicts(capsys):
     assert "DDP on 2 ranks against 1 rank, 1 thread (wall): 1 rank, 1 thread is faster, 1.40x" in out
     assert f"DDP on 2 ranks against 1 rank, 1 thread (wall): {NOT_DISTINGUISHABLE}" in out
     assert not verdicts["simple"]["threads"].distinguishable and verdicts["simple"]["all-reduce cpu"].distinguishable
+    # a CPU-time verdict says "uses less CPU time", never "is faster"
+    assert "2 threads against 1 thread, one process: wall: " + NOT_DISTINGUISHABLE + "; CPU: 1 rank, 1 thread uses " \
+        "less CPU time, 3.00x" in out
+    # the all-reduce's cost compares the two Python hooks, not the built-in hook with a Python one
+    assert verdicts["simple"]["all-reduce"].faster == "simple, DDP, no all-reduce"
+    assert verdicts["simple"]["all-reduce"].slower == "simple, DDP, Python all-reduce hook"
+    assert "communicating against computing, all-reduce alone against 1 rank's whole step (wall): all-reduce " \
+        "alone is faster, 10.00x" in out
     assert "  DDP, 2 ranks" in out and "wall 14.0 ms (13.8-14.2)" in out
 
 

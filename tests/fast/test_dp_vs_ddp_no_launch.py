@@ -85,16 +85,44 @@ def test_naive_data_parallel_training_matches_single_device_over_steps() -> None
     assert max_abs_diff(list(parallel_model.parameters()), list(single_model.parameters())) < 1e-5
 
 
-def test_check_traffic_accepts_the_answer_and_rejects_mistakes(capsys) -> None:
-    assert check_traffic(lambda parameter_bytes, devices: 2 * (devices - 1) * parameter_bytes)
+@pytest.mark.parametrize("right", [
+    lambda parameter_bytes, devices: 2 * (devices - 1) * parameter_bytes,
+    lambda parameter_bytes, devices: 2.0 * (devices - 1) * parameter_bytes,  # a float, the same number
+    lambda parameter_bytes, devices: sum(2 * parameter_bytes for _ in range(1, devices)),  # device by device
+])
+def test_check_traffic_accepts_right_answers_built_differently(capsys, right) -> None:
+    assert check_traffic(right)
+    assert capsys.readouterr().out.startswith("Correct: ")
 
-    def not_written(parameter_bytes, devices):
-        raise NotImplementedError
 
-    for wrong in (not_written, lambda b, n: (n - 1) * b, lambda b, n: 2 * n * b, lambda b, n: 0):
-        assert not check_traffic(wrong)
+def _not_written(parameter_bytes, devices):
+    raise NotImplementedError
+
+
+def _crashes(parameter_bytes, devices):
+    copies = devices - devices
+    return parameter_bytes / copies
+
+
+@pytest.mark.parametrize("wrong, message", [
+    (_not_written, "traffic still raises NotImplementedError"),
+    (lambda b, n: (n - 1) * b, "only the weights going out; the gradients come back to device 0 too"),
+    (lambda b, n: 2 * n * b, "device 0 keeps the module's own weights: nothing is copied to or from it"),
+    (lambda b, n: (2 * n - 1) * b, "the weights go out to n - 1 devices, not n"),
+    # the ring all-reduce's per-link bytes: equal to the weights alone at 2 devices, so 3 and 4 must be checked too
+    (lambda b, n: int(2 * (n - 1) / n * b), "that is what a ring all-reduce puts through each link"),
+    (lambda b, n: 2 * (n - 1) * b // 4, "a quarter of the bytes: parameter_bytes is already in bytes"),
+    (lambda b, n: 2 * (n - 1) * b * 4, "four times the bytes: parameter_bytes is already in bytes"),
+    # right at 2 devices, and equal to the weights alone at 3
+    (lambda b, n: 2 * b, "your answer does not change with the number of devices"),
+    (lambda b, n: None, "returned None, not a number"),
+    (lambda b, n: n * (n - 1) * b, "Count per device: what does each device other than 0 receive"),
+    (_crashes, "raised ZeroDivisionError: division by zero (line 3 of your _crashes: return parameter_bytes / copies)"),
+])
+def test_check_traffic_names_each_mistake(capsys, wrong, message) -> None:
+    assert not check_traffic(wrong)
     out = capsys.readouterr().out
-    assert out.count("Not yet") == 4 and out.count("Correct") == 1
+    assert out.startswith("Not yet: ") and message in out, out
 
 
 def test_span_arithmetic() -> None:

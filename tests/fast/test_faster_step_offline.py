@@ -3,9 +3,12 @@ torch's own compiler lookup, the exercise check's sentences for each record a wr
 the FLOP formula against FlopCounterMode, and the graph counter on a real (tiny) torch.compile."""
 from __future__ import annotations
 
+import ast
 import json
 import os
+import re
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,12 +20,13 @@ from helpers.kit.faster_step import (
     GraphCounter,
     NoCompiler,
     build_model,
+    fit_residual,
     prepare_compile,
     require_cxx,
     still_working,
 )
 from helpers.lessons import faster_step
-from helpers.lessons.faster_step import flops_formula, hook_bytes, hook_events, powersgd_split, trace_steps
+from helpers.lessons.faster_step import flops_formula, hook_bytes, powersgd_split, profile_table, trace_steps
 
 SHAPES = [[10], [10, 256], [256], [256, 256], [256], [256, 784]]  # the hooks worker's model, back to front
 
@@ -44,6 +48,7 @@ def test_hook_bytes_for_every_setting():
     assert hook_bytes("fp16", SHAPES) == hook_bytes("bf16", SHAPES) == 2 * values
     # r=1: P and Q of the three matrices, (n + m) values each, plus the 522 bias values
     assert hook_bytes("PowerSGD r=1", SHAPES) == 4 * ((10 + 256) + (256 + 256) + (256 + 784) + 522) == 9360
+    assert hook_bytes("PowerSGD r=1, no feedback", SHAPES) == 9360  # the control sends what its twin sends
 
 
 def test_no_compiler_is_said_in_one_sentence():
@@ -85,16 +90,23 @@ def test_still_working_speaks_at_once_and_then_every_few_seconds(capsys):
     assert capsys.readouterr().out == ""
 
 
-def good_step(values: int = 4426) -> dict:
-    return {"buckets": [{"values": values, "dtype": "torch.float32"}], "error": 2.5e-3, "ratio": 1.0,
-            "calls": [{"op": "all_reduce", "bytes": 2 * values}]}
+def good_step(values: int = 4426, step: int = 0, where: str = "DDP's default group (3 ranks, process_group=None)",
+              group_size: int = 3) -> dict:
+    return {"step": step, "where": where, "group_size": group_size,
+            "buckets": [{"values": values, "dtype": "torch.float32"}], "error": 2.5e-3, "ratio": 1.0,
+            "calls": [{"op": "all_reduce", "bytes": 2 * values}], "every_rank_fit": 0.5, "every_rank_differs": 0.0,
+            "own_fit": 0.6}
 
 
+SUBGROUP = {"where": "a process group of 2 ranks that is not WORLD", "group_size": 2}
 RECORDS = {  # what faster_hook_check.py records on a rank for a wrong hook -> the words its message must hold
+    "torch's hook": ({"problems": [{"kind": "torch's hook", "function": "default_hooks.py (_compress_hook)"}]},
+                     "let torch's own hook issue the all-reduce (default_hooks.py (_compress_hook)"),
     "not a future": ({"problems": [{"kind": "not a future", "type": "Tensor"}]}, "returned a Tensor, not a"),
     "unfinished": ({"problems": [{"kind": "unfinished", "deadline": 10}]}, "still not complete 10 s later"),
     "callback raised": ({"problems": [{"kind": "failed future", "error": "NameError: x", "where": "h.py:9 (in cb)"}]},
                         "raised NameError: x at h.py:9 (in cb)"),
+    "no return": ({"problems": [{"kind": "not a tensor", "type": "NoneType"}]}, "your callback returned None"),
     "list value": ({"problems": [{"kind": "not a tensor", "type": "list"}]}, "holds a list, not one tensor"),
     "wrong shape": ({"problems": [{"kind": "shape", "shape": [10], "bucket_shape": [4426]}]}, "shape [4426]"),
     "wrong dtype": ({"problems": [{"kind": "dtype", "dtype": "torch.bfloat16", "bucket_dtype": "torch.float32"}]},
@@ -106,8 +118,19 @@ RECORDS = {  # what faster_hook_check.py records on a rank for a wrong hook -> t
     "float32": ({"steps": [{**good_step(), "calls": [{"op": "all_reduce", "bytes": 17704}]}]},
                 "handed 4 bytes per gradient value"),
     "int8": ({"steps": [{**good_step(), "calls": [{"op": "all_reduce", "bytes": 4426}]}]}, "handed 1 bytes per"),
-    "not divided": ({"steps": [{**good_step(), "ratio": 2.0, "error": 1.0}]}, "2.00 times the exact average: divide"),
-    "divided twice": ({"steps": [{**good_step(), "ratio": 0.5, "error": 0.5}]}, "divided by the number of ranks twice"),
+    "not divided": ({"steps": [{**good_step(), "ratio": 3.0, "error": 2.0}]}, "3.00 times the exact average: divide"),
+    "divided twice": ({"steps": [{**good_step(), "ratio": 1 / 3, "error": 0.67}]},
+                      "divided by the number of ranks twice"),
+    "a 2 written down": ({"steps": [{**good_step(), "ratio": 1.5, "error": 0.5}]},
+                         "divided by 2, but the group has 3 ranks: divide by the group's size"),
+    "the world's size": ({"steps": [good_step(), {**good_step(step=1, **SUBGROUP), "ratio": 2 / 3, "error": 0.33}]},
+                         "divided by 3, every rank's count (dist.get_world_size()); the group DDP handed your hook "
+                         "has 2"),
+    "the default group": ({"steps": [{**good_step(**SUBGROUP), "error": 0.4, "every_rank_fit": 0.003,
+                                      "every_rank_differs": 0.4}]},
+                          "the average over all 3 ranks, not over the 2 ranks of the group DDP handed your hook"),
+    "own values": ({"steps": [{**good_step(), "error": 0.75, "ratio": 0.4, "own_fit": 0.002}]},
+                   "this rank's own gradients, scaled, not the all-reduced sum"),
     "wrong values": ({"steps": [{**good_step(), "ratio": 0.9, "error": 0.3}]}, "differ from the exact average"),
     "missing": ({"missing": True}, "defines no function compress_hook"),
     "crashed": ({"crashed": "ValueError: no"}, "crashed: ValueError: no"),
@@ -117,40 +140,70 @@ RECORDS = {  # what faster_hook_check.py records on a rank for a wrong hook -> t
 @pytest.mark.parametrize("name", RECORDS)
 def test_each_wrong_record_gets_its_own_not_yet(name):
     record, words = RECORDS[name]
-    full = {"missing": False, "problems": [], "steps": [good_step(), good_step()], **record}
+    full = {"missing": False, "problems": [], "steps": [good_step(), good_step(step=1)], **record}
     right = {"missing": False, "problems": [], "steps": [good_step()]}
-    line = faster_step._verdict_line({0: right, 1: full}, "h.py", 2)
+    line = faster_step._verdict_line({0: right, 1: full}, "h.py", 3)
     assert line.startswith("Not yet: rank 1: ") and words in line, line
 
 
+def test_a_rank_alone_in_its_group_may_return_its_own_gradient():
+    """Rank 2 alone in a group of one: the exact average is its own gradient, so own_fit near 0 is right there."""
+    alone = {**good_step(where="a process group of 1 rank that is not WORLD", group_size=1), "own_fit": 0.0}
+    line = faster_step._verdict_line({2: {"missing": False, "problems": [], "steps": [good_step(), alone]}}, "h.py", 3)
+    assert line.startswith("Correct: ") and "process groups that are not WORLD (1 rank)" in line, line
+
+
 def test_a_right_record_is_correct_and_says_its_worst_error():
-    line = faster_step._verdict_line({0: {"missing": False, "problems": [], "steps": [good_step()] * 3}}, "h.py", 2)
+    line = faster_step._verdict_line({0: {"missing": False, "problems": [], "steps": [
+        good_step(), {**good_step(step=0, **SUBGROUP)}]}}, "h.py", 3)
     assert line.startswith("Correct: h.py all-reduced 2 bytes per gradient value") and "2.5e-03" in line
+    assert "on 3 ranks, on DDP's default group and on process groups that are not WORLD (2 ranks)" in line
+
+
+def test_fit_residual_says_how_far_from_a_multiple():
+    target = torch.tensor([1.0, 2.0, 3.0])
+    assert fit_residual(0.5 * target, target) < 1e-6
+    assert fit_residual(torch.tensor([3.0, -1.0, 0.0]), target) > 0.9
+    assert fit_residual(torch.zeros(3), target) == 1.0
+
+
+def event(name, ts, dur, tid=1, **args):
+    return {"ph": "X", "name": name, "ts": ts, "dur": dur, "tid": tid, "pid": 1, "args": args}
 
 
 def test_trace_steps_reads_a_chrome_trace(tmp_path):
-    def event(name, ts, dur, tid=1):
-        return {"ph": "X", "name": name, "ts": ts, "dur": dur, "tid": tid, "pid": 1}
     trace = tmp_path / "trace.json"
     trace.write_text(json.dumps({"traceEvents": [
         event("plain step", 1000, 500), event("autograd::engine::evaluate_function: AddmmBackward0", 1100, 50),
-        event("c10d::allreduce_", 1120, 10), event("gloo:all_reduce", 1125, 600, tid=2),  # ends after the mark
+        event("c10d::allreduce_", 1120, 10),
+        event("gloo:all_reduce", 1125, 600, tid=2, **{"Input Dims": [[100]], "Input type": ["c10::Half"]}),
         event("aten::mm", 1105, 20), {"ph": "i", "name": "marker", "ts": 1110},
         event("plain step", 3000, 100), event("autograd::engine::evaluate_function: X", 3010, 5),
         event("hooked step", 2000, 100), event("autograd::engine::evaluate_function: Y", 2010, 5)]}))
     steps = trace_steps(trace, "plain")
     assert [len(s) for s in steps] == [3, 1]
-    assert [(e["kind"], e["start_us"], e["end_us"]) for e in steps[0]] == [
-        ("backward", 0, 50), ("all-reduce issued", 20, 30), ("all-reduce running", 25, 625)]
+    assert [(e["kind"], e["start_us"], e["end_us"], e["bytes"]) for e in steps[0]] == [
+        ("backward", 0, 50, 0), ("all-reduce issued", 20, 30, 0), ("all-reduce running", 25, 625, 200)]
     assert len(trace_steps(trace, "hooked")) == 1
 
 
-def test_hook_events_are_relative_to_the_backward_call():
-    events = hook_events({"backward_called": 10.0, "backward_returned": 10.01, "buckets": [
-        {"called": 10.002, "returned": 10.003, "completed": 10.006}, {"called": 10.004, "returned": 10.005,
-                                                                      "completed": 10.009}]})
-    assert events[0]["kind"] == "backward" and events[0]["end_us"] == pytest.approx(4000)
-    assert [round(e["start_us"]) for e in events[1:]] == [2000, 3000, 4000, 5000]
+def test_profile_table_counts_issue_order_and_bytes_from_the_file(tmp_path):
+    """Lesson 03's issue_order read from a trace file: two backward ops after the first issue of three; one after
+    the last; float32 bytes; the training thread apart from gloo's."""
+    trace = tmp_path / "trace.json"
+    ops = [event("autograd::engine::evaluate_function: A", 1000 + 100 * i, 50) for i in range(3)]
+    trace.write_text(json.dumps({"traceEvents": [
+        event("4 buckets step", 900, 1000), *ops, event("c10d::allreduce_", 1060, 5),
+        event("gloo:all_reduce", 1070, 400, tid=7, **{"Input Dims": [[10]], "Input type": ["float"]}),
+        event("1 bucket step", 2900, 1000), *[{**e, "ts": e["ts"] + 2000} for e in ops],
+        event("c10d::allreduce_", 3260, 5), event("gloo:all_reduce", 3270, 40, tid=7)]}))
+    clocks = {"wall": [0.004, 0.002, 0.003], "cpu": [0.001, 0.001, 0.001]}
+    table = profile_table({"trace": str(trace), "settings": ["4 buckets", "1 bucket"],
+                           "backward": {"4 buckets": clocks, "1 bucket": clocks}})
+    four, one = table["4 buckets"], table["1 bucket"]
+    assert four["order"][0]["ops_after_first_issue"] == 2 and one["order"][0]["ops_after_first_issue"] == 0
+    assert four["bytes"] == [40] and four["running_threads"] == [7] and four["backward_threads"] == [1]
+    assert four["wall_ms"] == pytest.approx(3) and four["backward_span_ms"] == pytest.approx(0.25)
 
 
 def test_flops_formula_equals_flop_counter_mode():
@@ -190,3 +243,38 @@ def test_pin_ddp_optimizer_first_bucket_and_log_line():
     assert "DDPOptimizer used bucket cap %s and created %d buckets" in inspect.getsource(
         ddp_optimizer.pretty_print_buckets)
     assert ddp_optimizer.log.name == "torch._dynamo.backends.distributed"
+
+
+NOTEBOOK = REPO_ROOT / "notebooks" / "13_faster_step.ipynb"
+TESTS = [REPO_ROOT / "tests" / "test_faster_step.py", Path(__file__)]
+
+
+def _main_line(notebook: dict) -> str:
+    text = "\n".join("".join(c["source"]) for c in notebook["cells"] if c["cell_type"] == "markdown")
+    return re.sub(r"<details>.*?</details>", "", text, flags=re.DOTALL)
+
+
+def test_the_lesson_keeps_its_main_line_short_and_its_citations_folded():
+    notebook = json.loads(NOTEBOOK.read_text())
+    main = _main_line(notebook)
+    assert len(main.split()) <= 3500, len(main.split())
+    citations = re.findall(r"[\w/]+\.(?:py|cpp|h)(?::\d+|`?,? lines? \d+)", main)
+    assert len(citations) <= 3, citations
+    for cell in notebook["cells"]:  # no listing over 40 lines in the main line
+        assert cell["cell_type"] == "markdown" or len("".join(cell["source"]).splitlines()) <= 40
+
+
+def test_a_test_calls_every_helper_function_the_notebook_calls():
+    """An import that breaks inside a helper (lesson 13 once imported a function lesson 03 had removed) must fail a
+    test, not only the notebook: every function the notebook imports from helpers and calls is called in a test."""
+    notebook = json.loads(NOTEBOOK.read_text())
+    code = "\n".join("".join(c["source"]) for c in notebook["cells"] if c["cell_type"] == "code"
+                     and not "".join(c["source"]).startswith("%%"))
+    imported = {alias.asname or alias.name for node in ast.walk(ast.parse(code)) if isinstance(node, ast.ImportFrom)
+                and (node.module or "").startswith("helpers.lessons.faster_step") for alias in node.names}
+    called_in_notebook = {node.func.id for node in ast.walk(ast.parse(code))
+                          if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
+    called_in_tests = {node.func.id for test in TESTS for node in ast.walk(ast.parse(test.read_text()))
+                       if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
+    used = imported & called_in_notebook
+    assert len(used) >= 10 and not used - called_in_tests, sorted(used - called_in_tests)

@@ -12,15 +12,17 @@ import torch.distributed as dist
 from helpers.kit.timing import NOT_DISTINGUISHABLE, Timing
 from helpers.lessons.scale import (
     STAGES,
-    check_tp_counts_without_sp,
+    check_tp_counts,
     collective_counts,
     dp_traffic,
     fsdp_collectives,
     fsdp_dp_traffic,
     held_by_stage,
     held_replicated,
+    increment_report,
     order_probe_twin,
     plan,
+    plan_without_prepare,
     planner_figure,
     predict_step_seconds,
     simulated_world,
@@ -133,49 +135,73 @@ def test_simulated_world_refuses_to_nest():
 
 
 def solution(blocks):
-    return {"forward": {"all_reduce": 2 * blocks + 1, "all_gather": 1}, "backward": {"all_reduce": 4 * blocks + 1}}
+    return {"forward": {"all_gather": 4 * blocks + 2, "reduce_scatter": 2 * blocks + 1},
+            "backward": {"all_gather": 2 * blocks + 1, "reduce_scatter": 4 * blocks + 1, "all_reduce": 2 * blocks + 1}}
+
+
+def with_prepare(blocks):
+    """Lesson 10's plan (with PrepareModuleInput), phase by phase: the answer a learner copies from lesson 10."""
+    return {"forward": {"all_gather": 2 * blocks + 2, "reduce_scatter": 2 * blocks + 1},
+            "backward": {"all_gather": 2 * blocks + 1, "reduce_scatter": 2 * blocks + 1, "all_reduce": 2 * blocks + 1}}
+
+
+def changed(phase, **counts):
+    """The solution with some counts of one phase replaced."""
+    return lambda b: {**solution(b), phase: {**solution(b)[phase], **{op: n(b) for op, n in counts.items()}}}
 
 
 @pytest.mark.parametrize("wrong, message", [
-    (lambda b: {"forward": {"all_reduce": 0, "all_gather": 0}, "backward": {"all_reduce": 0}},  # the starting code
-     "your forward has no all_gather"),
-    (lambda b: {"forward": solution(b)["forward"], "backward": {}}, "your backward has no all_reduce"),  # forward only
-    # wq, wk and wv counted as one backward all-reduce
-    (lambda b: {"forward": solution(b)["forward"], "backward": {"all_reduce": 2 * b + 1}},
-     "per block, your backward count of all_reduce is too low"),
-    (lambda b: {"forward": {"all_reduce": 2 * b + 1}, "backward": solution(b)["backward"]},  # the logits' gather
-     "your forward has no all_gather"),
-    (lambda b: {"forward": {"all_reduce": 2 * b, "all_gather": 1}, "backward": solution(b)["backward"]},  # embedding
-     "part outside the blocks is too low"),
-    (lambda b: {"forward": solution(b)["forward"], "backward": {"all_reduce": 4 * b}},  # the output layer's backward
-     "part outside the blocks is too low"),
-    (lambda b: {"forward": {"all_reduce": 6 * b + 2, "all_gather": 1}, "backward": {}},  # the whole step as forward
-     "per block, your forward count of all_reduce is too high"),
-    (lambda b: {"forward": {"all_gather": 2 * b + 2, "reduce_scatter": 2 * b + 1},  # the sequence-parallel counts
-                "backward": {"all_gather": 2 * b + 1, "reduce_scatter": 2 * b + 1, "all_reduce": 2 * b + 1}},
-     "per block, your forward count of all_gather is too high"),
-    (lambda b: solution(b) if b < 3 else {"forward": {"all_reduce": 9, "all_gather": 1},  # not linear in the blocks
-                                           "backward": solution(b)["backward"]},
+    (lambda b: {"forward": {"all_gather": 0, "reduce_scatter": 0},  # the starting code
+                "backward": {"all_gather": 0, "reduce_scatter": 0}}, "your forward has no all_gather"),
+    # copied from lesson 10's plan with PrepareModuleInput: one gather per attention, not one per layer that reads it
+    (with_prepare, "per block, your forward count of all_gather is too low. To see why, walk one block's forward"),
+    # forward right, backward copied from lesson 10: the three separate gathers' gradients forgotten
+    (lambda b: {"forward": solution(b)["forward"], "backward": with_prepare(b)["backward"]},
+     "per block, your backward count of reduce_scatter is too low. To see why, backward sends a gradient back"),
+    # wq, wk, wv counted, w1 forgotten
+    (changed("forward", all_gather=lambda b: 3 * b + 2), "per block, your forward count of all_gather is too low"),
+    (changed("forward", all_gather=lambda b: 4 * b), "part outside the blocks is too low"),  # output layer forgotten
+    (changed("backward", all_reduce=lambda b: 0), "your backward has no all_reduce"),  # the norm weights
+    (changed("backward", all_gather=lambda b: 4 * b + 2), "per block, your backward count of all_gather is too high"),
+    # TP without sequence parallelism: all-reduces where the plan reduce-scatters and gathers
+    (lambda b: {"forward": {"all_reduce": 2 * b + 1, "all_gather": 1}, "backward": {"all_reduce": 4 * b + 1}},
+     "torch ran no all_reduce in forward"),
+    (lambda b: solution(b) if b < 3 else changed("forward", all_gather=lambda b: 13)(b),  # not linear in the blocks
      "does not grow by the same amount"),
-    (lambda b: {"all_reduce": 6 * b + 2, "all_gather": 1}, "should return {'forward'"),  # no phases
+    (lambda b: {"all_gather": 6 * b + 3, "reduce_scatter": 6 * b + 2}, "should return {'forward'"),  # no phases
     (lambda b: 1 / 0, "raised ZeroDivisionError"),
 ])
 def test_tp_exercise_names_the_mistake_not_torchs_counts(wrong, message, capsys):
-    assert not check_tp_counts_without_sp(wrong)
+    assert not check_tp_counts(wrong)
     out = capsys.readouterr().out.splitlines()[-1]
     assert out.startswith("Not yet: ") and message in out, out
     assert not re.search(r"'\w+': \d", out) or "should return" in out, out  # no count of torch's in the message
+    if "per block" in message:  # a forward mistake hears about forward, a backward one about backward
+        assert ("forward" in message) == ("walk one block's forward" in out), out
 
 
 @pytest.mark.parametrize("right", [
     solution,
     # right but written otherwise: zero counts listed, float counts, other key order
-    lambda b: {"backward": {"all_reduce": 4.0 * b + 1, "reduce_scatter": 0},
-               "forward": {"all_gather": 1, "all_reduce": 2 * b + 1}},
+    lambda b: {"backward": {"all_reduce": 2.0 * b + 1, "reduce_scatter": 4 * b + 1, "all_gather": 2 * b + 1,
+                            "all_to_all": 0},
+               "forward": {"reduce_scatter": 2 * b + 1, "all_gather": 4.0 * b + 2}},
 ])
 def test_tp_exercise_passes_right_answers(right, capsys):
-    assert check_tp_counts_without_sp(right)
-    assert capsys.readouterr().out.splitlines()[-1].startswith("Correct: ")
+    assert check_tp_counts(right)
+    out = capsys.readouterr().out.splitlines()[-1]
+    assert out.startswith("Correct: ") and "every block runs 4 tp collectives more" in out, out
+
+
+def test_the_exercise_plan_gathers_in_each_column_wise_layer():
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput
+
+    top, block = plan_without_prepare()
+    assert not any(isinstance(style, PrepareModuleInput) for style in block.values())
+    for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1"):
+        assert isinstance(block[name], ColwiseParallel) and block[name].input_layouts == (Shard(1),)
+    assert "norm" in top and "attention_norm" in block  # sequence parallelism kept
 
 
 def test_counts_do_not_depend_on_the_mesh_size():
@@ -266,14 +292,29 @@ def test_planner_figure_draws_the_planner_numbers():
     assert drawn == pytest.approx([sum(plan(7.5e9, 64, stage=s)["memory"].values()) / 1e9 for s in STAGES])
 
 
+@pytest.mark.parametrize("every", [True, False])
+def test_planner_figure_draws_the_gradient_sync_chosen(every):
+    import matplotlib
+    import matplotlib.pyplot as plt
+
+    matplotlib.use("Agg")
+    ax = planner_figure(7.5, dp=64, microbatches=8, stage="DP", reduce_every_microbatch=every)
+    traffic = ax.figure.axes[1].containers[0][0].get_height()  # the dp bar of the middle panel
+    planned = plan(7.5e9, 64, microbatches=8, stage="DP", reduce_every_microbatch=every)["traffic"]["dp"]
+    assert traffic == pytest.approx(planned / 1e9)
+    plt.close(ax.figure)
+
+
 def test_step_time_prediction_adds_the_documented_parts():
-    rates = dict(n_params=1000, tensors=4, batch=10, flop_rate=6e4, adam_seconds={"full": 0.2, "half": 0.1},
-                 latency=0.01, bandwidth=4000.0, bucket_bytes=[2000, 2000])
+    rates = dict(n_params=1000, tensors=4, batch=10, flop_rate=6e4, latency=0.01, bandwidth=4000.0,
+                 optimizer_seconds={"adam local": 0.2, "adam fsdp": 0.15, "adam fsdp_alone": 0.3},
+                 bucket_bytes=[2000, 2000])
     assert predict_step_seconds("local", **rates) == {"compute": 1.0, "optimizer": 0.2, "communication": 0.0}
-    assert predict_step_seconds("ddp", **rates)["communication"] == pytest.approx(2 * (0.01 + 0.5))
-    zero1 = predict_step_seconds("zero1", **rates)
-    assert zero1["optimizer"] == 0.1 and zero1["communication"] == pytest.approx(1.02 + 4 * 0.005 + 1.0)
-    assert predict_step_seconds("fsdp", **rates)["communication"] == pytest.approx(3 * (2 * 0.005 + 0.5))
+    assert predict_step_seconds("ddp", **rates) == {"compute": 1.0, "optimizer": 0.2,
+                                                    "communication": pytest.approx(2 * (0.01 + 0.5))}
+    assert predict_step_seconds("fsdp_alone", **rates) == {"compute": 1.0, "optimizer": 0.3, "communication": 0.0}
+    fsdp = predict_step_seconds("fsdp", **rates)
+    assert fsdp["optimizer"] == 0.15 and fsdp["communication"] == pytest.approx(3 * (2 * 0.005 + 0.5))
     with pytest.raises(ValueError, match="mode"):
         predict_step_seconds("zero2", **rates)
 
@@ -328,14 +369,16 @@ def test_replicating_partial_gradients_once_removes_the_optimizers_all_reduces()
     assert fixed == {"forward+backward": {**plain["forward+backward"], "all_reduce": 5}, "optimizer": {}}
 
 
-def made_up_rounds(step_ms: dict[str, list[float]], sweep_scale: list[float]) -> dict[int, dict]:
-    """One rank's results as scale_step_time.py hands them back, with chosen times (seconds)."""
+def made_up_rounds(step_ms: dict[str, list[float]], sweep_scale: list[float],
+                   adam_ms: dict[str, float] | None = None) -> dict[int, dict]:
+    """One rank's results as scale_step_time.py hands them back, with chosen times (seconds; CPU = wall / 2)."""
     sizes = [4096 * 4**k for k in range(7)]
+    adam_ms = adam_ms or {"local": 4.0, "fsdp": 2.0, "fsdp_alone": 5.0}
     timings = {f"all_reduce {s}": Timing(f"all_reduce {s}", [(2e-4 + s / 1e9) * f] * 5, [1e-4] * 5)
                for s, f in zip(sizes, sweep_scale, strict=True)}
-    timings |= {"matmul": Timing("matmul", [1e-3] * 5, [1e-3] * 5), "adam full": Timing("adam full", [4e-3] * 5),
-                "adam shard": Timing("adam shard", [2e-3] * 5)}
-    timings |= {f"step {mode}": Timing(f"step {mode}", [t / 1e3 for t in times], [t / 1e3 for t in times])
+    timings |= {"matmul": Timing("matmul", [1e-3] * 5, [5e-4] * 5)}
+    timings |= {f"adam {mode}": Timing(f"adam {mode}", [t / 1e3] * 5, [t / 2e3] * 5) for mode, t in adam_ms.items()}
+    timings |= {f"step {mode}": Timing(f"step {mode}", [t / 1e3 for t in times], [t / 2e3 for t in times])
                 for mode, times in step_ms.items()}
     return {0: {"timings": {name: t.as_dict() for name, t in timings.items()}, "sizes": sizes, "n_params": 1000,
                 "tensors": 6, "width": 8, "layers": 3, "batch": 4, "world_size": 2}}
@@ -352,3 +395,19 @@ def test_step_time_analysis_refuses_a_fit_with_large_residuals_and_reads_increme
     assert NOT_DISTINGUISHABLE in on_the_line["verdicts"]["fsdp_alone"].sentence
     noisy = step_time_analysis(made_up_rounds(steps, [1.0, 1.6, 0.7, 1.0, 1.0, 1.0, 1.0]))
     assert not noisy["fit_used"]  # residuals of 0.7-1.6: the fit may not predict
+    assert any("is not a prediction here" in line for line in increment_report(noisy))
+
+
+def test_predicted_increments_are_differences_of_predicted_steps_optimizer_included():
+    steps = {mode: [100, 101, 102, 103, 104] for mode in ("local", "ddp", "fsdp_alone", "fsdp")}
+    a = step_time_analysis(made_up_rounds(steps, [1.0] * 7, {"local": 4.0, "fsdp": 2.0, "fsdp_alone": 5.0}))
+    predicted = a["predicted"]
+    assert predicted["fsdp"]["optimizer"] == pytest.approx(2e-3)  # each set-up's own optimizer step, measured
+    # fsdp over fsdp_alone: its communication and half the optimizer taken away (catches a comparison of the
+    # communication term alone, which ignores the optimizer's share)
+    assert a["predicted_increments"]["fsdp"] == pytest.approx(predicted["fsdp"]["communication"] + 2e-3 - 5e-3)
+    assert a["predicted_increments"]["fsdp_alone"] == pytest.approx(5e-3 - 4e-3)  # the optimizer over DTensors
+    assert a["predicted_increments"]["ddp"] == pytest.approx(predicted["ddp"]["communication"])
+    # the same prediction from CPU times: every rate's CPU is half its wall here, and so is each step's
+    assert a["local_ratio"]["cpu"] == pytest.approx(a["local_ratio"]["wall"])
+    assert a["optimizer_verdicts"]["wall"].faster == "adam local"  # 4 ms against 5 ms in every round
