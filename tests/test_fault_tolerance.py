@@ -117,3 +117,31 @@ def test_a_sigterm_saves_the_step_and_the_resubmitted_job_loses_nothing(referenc
     run = launch(TRAIN, nproc=2, echo=False, args=[*SMALL, "--checkpoint", checkpoint])
     assert "attempt 0: world size 2, starting at step 4" in run.logs[0]
     assert torch.equal(torch.tensor(run.results[0]["parameters"]), reference_weights)
+
+
+@pytest.mark.slow
+def test_torchrun_kills_a_worker_still_saving_after_its_shutdown_timeout(tmp_path):
+    """Review 06-1, why the generated jobs set --shutdown-timeout (and the scheduler's window beyond it): a real
+    torchrun, preempted, forwards SIGTERM and SIGKILLs a worker still running --shutdown-timeout seconds later. The
+    worker takes 5 s before its save (--stop-seconds, a sleep of ours); with a 2 s timeout no checkpoint is written,
+    with 20 s it is. Both torchruns run at once (fresh interpreters, as on a cluster)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "LESSONS_DATA": "digits"}
+    runs = {}
+    for timeout in (2, 20):
+        runs[timeout] = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+             f"--shutdown-timeout={timeout}", str(TRAIN), *SMALL, "--checkpoint-every", "100",
+             "--checkpoint", tmp_path / f"timeout{timeout}.pt", "--fail-rank", "0", "--fail-step", "2",
+             "--fail-mode", "preempt", "--stop-seconds", "5"],
+            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    logs = {timeout: run.communicate(timeout=240)[0] for timeout, run in runs.items()}
+    for timeout, log in logs.items():
+        assert runs[timeout].returncode != 0 and "got signal: 15" in log, log  # the job did not finish: by design
+        assert "5 s of work before the save" in log, log
+    assert not (tmp_path / "timeout2.pt").exists() and "stopping on SIGTERM" not in logs[2], logs[2]
+    assert torch.load(tmp_path / "timeout20.pt", weights_only=True)["step"] == 3, logs[20]
+    assert "step 3: stopping on SIGTERM, after saving this step" in logs[20], logs[20]

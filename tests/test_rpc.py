@@ -52,6 +52,48 @@ def test_counter_check_catches_a_local_counter(tmp_path, capsys):
     assert "the counter was created on 'worker0': create it on worker1" in capsys.readouterr().out
 
 
+def test_counter_check_catches_removed_sleeps(tmp_path, capsys):
+    """A fresh reader's wrong answer (review 05-2): add()'s sleeps deleted, ten serial rpc_sync calls, no lock. Nothing
+    overlapped and no lock was needed, so the count comes out right fast: the check must refuse it by the floor that
+    the sleeps set, not say the calls ran at once."""
+    script = _variant(tmp_path, "no_sleeps.py",
+                      ("        time.sleep(0.1)  # slow work that may run in parallel with other calls\n", ""),
+                      ("            time.sleep(0.01)\n", ""), ("with self.lock:", "if True:"),
+                      ("counter.rpc_async().add(1)", "counter.rpc_sync().add(1)"),
+                      ("[future.wait() for future in futures]", "futures"))
+    assert not check_counter(script)
+    out = capsys.readouterr().out.splitlines()[-1]
+    assert out.startswith("Not yet: ") and "keep both time.sleep lines in add()" in out, out
+    assert "ran there at once" not in out, out
+
+
+def test_counter_check_names_futures_waited_for_in_the_loop_that_sends_them(tmp_path, capsys):
+    """Review 05-3: the lock is right, but each future is waited for as soon as it is sent; the hint must name the
+    waiting, not the lock."""
+    script = _variant(tmp_path, "wait_in_loop.py",
+                      ("futures = [counter.rpc_async().add(1) for _ in range(10)]",
+                       "futures = [counter.rpc_async().add(1).wait() for _ in range(10)]"),
+                      ("[future.wait() for future in futures]", "futures"))
+    assert not check_counter(script)
+    out = capsys.readouterr().out.splitlines()[-1]
+    assert out.startswith("Not yet: ") and "waited for in the same loop that sends it" in out, out
+    assert "is your lock held" not in out, out
+
+
+def test_counter_check_names_a_copy_fetched_with_to_here(tmp_path, capsys):
+    """Review 05-3: counter.to_here() then local calls: the copy's where() reports worker1 (its constructor ran
+    there), so the owner check alone passes it; the hint must name the copy. (No lock: a lock cannot be pickled.)"""
+    script = _variant(tmp_path, "to_here_copy.py", ("with self.lock:", "if True:"),
+                      ("self.lock = threading.Lock()", "self.lock = None"),
+                      ("futures = [counter.rpc_async().add(1) for _ in range(10)]",
+                       "local = counter.to_here()\n        futures = [local.add(1) for _ in range(10)]"),
+                      ("[future.wait() for future in futures]", "futures"),
+                      ("owner=counter.rpc_sync().where()", "owner=local.where()"))
+    assert not check_counter(script)
+    out = capsys.readouterr().out.splitlines()[-1]
+    assert out.startswith("Not yet: ") and "counter.to_here() copies the Counter to worker0" in out, out
+
+
 def test_counter_check_blames_a_lock_held_during_the_slow_work(tmp_path, capsys):
     """The walkthrough's third try: the lock around all of add() serializes the calls again, although they were sent
     with rpc_async; the hint must name the lock, not the sending."""

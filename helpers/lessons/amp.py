@@ -436,6 +436,39 @@ def onednn_convolutions(model: nn.Module, images: torch.Tensor, labels: torch.Te
     return rows
 
 
+def slow_convolution_share(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, dtype: torch.dtype,
+                           steps: int = 3) -> float:
+    """The share of `steps` autocast training steps' self CPU time (torch.profiler) spent in torch's own generic
+    convolution code, the aten::_slow_conv2d_forward / _slow_conv2d_backward ops that torch runs when it does not
+    hand a convolution to oneDNN. One untimed step first (warm-up)."""
+    import os
+    import sys
+
+    from torch.profiler import ProfilerActivity, profile
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            loss = F.cross_entropy(model(images), labels)
+        loss.backward()
+
+    step()
+    sys.stderr.flush()
+    saved = os.dup(2)  # the profiler's C++ side logs its start and stop (with timestamps) to fd 2: not the lesson's
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(steps):
+                    step()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    slow = sum(e.self_cpu_time_total for e in events if e.key.startswith("aten::_slow_conv2d"))
+    return slow / total if total else 0.0
+
+
 def bytes_per_parameter(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, float]:
     """Bytes per parameter held in weights, gradients and optimizer state (after at least one step)."""
     count = sum(p.numel() for p in model.parameters())
@@ -500,6 +533,7 @@ def check_amp_train_step(train_step: Callable, max_norm: float = 0.1) -> bool:
     scaler.scale and scaler.step are wrapped to count their calls. GradScaler's own errors for a step in the wrong
     order (optimizer.step() then scaler.update(); backward without scaler.scale) become "Not yet" hints."""
     from torch.amp.grad_scaler import OptState
+    from torch.nn import utils as nn_utils
     from torch.nn.utils import clip_grad
 
     problems: dict[str, list[str]] = {}  # what is wrong -> in which cases
@@ -511,23 +545,45 @@ def check_amp_train_step(train_step: Callable, max_norm: float = 0.1) -> bool:
         autocast_seen: list[torch.dtype | None] = []  # the autocast dtype in force at each forward pass, or None
         model.register_forward_hook(lambda *_, seen=autocast_seen: seen.append(
             torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None))
-        clips: list[bool] = []  # one entry per clipping: were the gradients unscaled at that moment?
+        clips: list[bool | str] = []  # one entry per clipping: were the gradients unscaled at that moment?
+        in_autocast: list[str] = []  # what ran inside the autocast block that should hold the forward pass only
         clip_function = clip_grad._clip_grads_with_norm_
         step_calls: list[int] = []
 
         def recording_clip(*args, clips=clips, scaler=scaler, optimizer=optimizer, step_calls=step_calls,
-                           clip_function=clip_function, **kwargs):
+                           clip_function=clip_function, in_autocast=in_autocast, **kwargs):
             state = scaler._per_optimizer_states[id(optimizer)]
             # "after step": scaler.step had run (its stage is STEPPED, or READY again once update() reset it)
             clips.append("after step" if step_calls else state["stage"] is OptState.UNSCALED)
+            if torch.is_autocast_enabled("cpu"):
+                in_autocast.append("the clipping")
             return clip_function(*args, **kwargs)
 
         scale_calls: list[int] = []
         scale_method = scaler.scale
         scaler.scale = lambda outputs, calls=scale_calls, method=scale_method: calls.append(1) or method(outputs)
         step_method = scaler.step
-        scaler.step = lambda *a, calls=step_calls, method=step_method, **k: calls.append(1) or method(*a, **k)
-        clip_grad._clip_grads_with_norm_ = recording_clip
+
+        def recording_step(*a, calls=step_calls, method=step_method, in_autocast=in_autocast, **k):
+            if torch.is_autocast_enabled("cpu"):
+                in_autocast.append("scaler.step")
+            calls.append(1)
+            return method(*a, **k)
+
+        scaler.step = recording_step
+        updates_before_step: list[bool] = []  # one entry per scaler.update(): had scaler.step run yet?
+        update_method = scaler.update
+        scaler.update = lambda *a, seen=updates_before_step, calls=step_calls, method=update_method, **k: (
+            seen.append(not calls) or method(*a, **k))
+        backward_in_autocast: list[bool] = []  # recorded by a gradient hook on the last layer's weight
+        last_weight = list(model.parameters())[-1]
+        last_weight.register_hook(lambda grad, seen=backward_in_autocast: seen.append(
+            torch.is_autocast_enabled("cpu")) or None)
+        # clip_grad_norm_ calls the private _clip_grads_with_norm_ (clip_grad.py:231); the public
+        # nn.utils.clip_grads_with_norm_ (after nn.utils.get_total_norm) is the same function under another name,
+        # bound when torch.nn.utils was imported (torch/nn/utils/__init__.py:3): both names are wrapped
+        public_clip = nn_utils.clip_grads_with_norm_
+        clip_grad._clip_grads_with_norm_ = nn_utils.clip_grads_with_norm_ = recording_clip
         try:
             train_step(model, optimizer, scaler, images, labels, max_norm)
         except (AssertionError, RuntimeError) as error:  # GradScaler's own checks (torch/amp/grad_scaler.py)
@@ -537,7 +593,7 @@ def check_amp_train_step(train_step: Callable, max_norm: float = 0.1) -> bool:
             problems.setdefault(hint, []).append(case)
             continue
         finally:
-            clip_grad._clip_grads_with_norm_ = clip_function
+            clip_grad._clip_grads_with_norm_, nn_utils.clip_grads_with_norm_ = clip_function, public_clip
         _reference_step(ref_model, ref_optimizer, ref_scaler, images, labels, max_norm)
         found = []
         wrong_dtype = False
@@ -553,6 +609,16 @@ def check_amp_train_step(train_step: Callable, max_norm: float = 0.1) -> bool:
         if scale_wrong and not wrong_dtype:
             found.append(f"the scale is {scaler.get_scale():g}, expected {ref_scaler.get_scale():g} (scale the"
                          " loss with scaler.scale(loss), and call scaler.update() once per step)")
+        if any(backward_in_autocast):
+            in_autocast.insert(0, "backward")
+        if in_autocast:
+            found.append(f"{', '.join(dict.fromkeys(in_autocast))} ran inside the autocast block: wrap only the "
+                         "forward pass and the loss (backward already runs each op in the dtype autocast chose for "
+                         "its forward, and PyTorch's AMP docs advise against backward under autocast)")
+        if any(updates_before_step):
+            found.append("scaler.update() ran before scaler.step(optimizer): update() clears the record that "
+                         "unscale_ had run, so scaler.step unscaled the (clipped) gradients a second time (call "
+                         "scaler.step(optimizer), then scaler.update())")
         if not clips:
             found.append("clip_grad_norm_ was not called (clip after scaler.unscale_(optimizer))")
         elif "after step" in clips:
@@ -569,7 +635,9 @@ def check_amp_train_step(train_step: Callable, max_norm: float = 0.1) -> bool:
                          " 2**60; with scaler.scale(loss) the gradients overflow and scaler.step(optimizer) skips"
                          " the step)")
         elif case == "a normal step" and not _same(model, ref_model):
-            if found:  # no autocast, a wrong dtype or scale, or wrong clipping change the weights too
+            if found and any(updates_before_step) and len(found) == 1:
+                pass  # the double unscale is the reason, and its hint says so
+            elif found:  # no autocast, a wrong dtype or scale, or wrong clipping change the weights too
                 found.append("weights differ from the correct step (fix the other problems first: they change"
                              " the weights too)")
             else:  # autocast, scale and clipping order are right: something else moved the weights

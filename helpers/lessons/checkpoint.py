@@ -55,6 +55,28 @@ def _crash_before_file_step(number: int):
             setattr(os, name, original)
 
 
+@contextlib.contextmanager
+def _renames_recorded():
+    """Record the (source, destination) of every os.replace/os.rename while it is open (shutil.move and pathlib
+    call these too); the calls still run."""
+    originals = {name: getattr(os, name) for name in ("replace", "rename")}
+    seen: list[tuple[str, str]] = []
+
+    def wrap(original):
+        def step(src, dst, *args, **kwargs):
+            seen.append((os.fspath(src), os.fspath(dst)))
+            return original(src, dst, *args, **kwargs)
+        return step
+
+    for name, original in originals.items():
+        setattr(os, name, wrap(original))
+    try:
+        yield seen
+    finally:
+        for name, original in originals.items():
+            setattr(os, name, original)
+
+
 def check_atomic_save(save: Callable[[dict, Path], None], folder: str | os.PathLike) -> bool:
     """Lesson 06's exercise: does `save(state, path)` keep the old checkpoint if it dies midway?"""
     Path(folder).mkdir(parents=True, exist_ok=True)
@@ -87,11 +109,21 @@ def check_atomic_save(save: Callable[[dict, Path], None], folder: str | os.PathL
         if after["step"] == 2 and not reached():
             break  # the save finished before step `crash_at`: every step has been crashed once
     inode = path.stat().st_ino
-    save({"step": 3, "weight": good["weight"] * 2}, path)
+    with _renames_recorded() as renames:
+        save({"step": 3, "weight": good["weight"] * 2}, path)
     if torch.load(path, weights_only=True)["step"] != 3:
         return not_yet("a save that succeeds must replace the checkpoint.")
     if path.stat().st_ino == inode:  # a rename puts a new file (a new inode) in place; a copy rewrites the old one
         return not_yet("the checkpoint file was rewritten in place (a copy, or a second write): a crash during "
                        "that rewrite would still tear it. Write a new file, then rename it over the old one.")
+    target = path.resolve()
+    elsewhere = [Path(src).resolve().parent for src, dst in renames
+                 if Path(dst).resolve() == target and Path(src).resolve().parent != target.parent]
+    if elsewhere:
+        return not_yet(f"the new file was written in {elsewhere[0]}, not beside the checkpoint, and then moved: a "
+                       "rename is atomic only within one file system. On a cluster the checkpoints sit on shared "
+                       "storage, a temporary folder like /tmp on the node's own disk: os.replace across them fails "
+                       "(EXDEV) and shutil.move falls back to a copy, which a crash can tear. Create the temporary "
+                       "file in the checkpoint's own folder (tempfile.mkstemp(dir=path.parent)).")
     return correct("a crash in the middle of a save leaves the previous checkpoint intact, "
                    "and a save that succeeds replaces it.")

@@ -64,6 +64,15 @@ _BASE_RESOURCES = {"cpu", "memory", "ephemeral-storage"}
 # (pytorch/pytorch#135712). It acts on the c10d rendezvous only: the static one always shares its store.
 SHARE_STORE_OPT_OUT = {"name": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "value": "1"}
 CHECKPOINT_CLAIM, SHM_VOLUME = "checkpoints", "dshm"
+# After SIGTERM torchrun forwards the signal to its workers and SIGKILLs those still running --shutdown-timeout
+# seconds later (default 30, or TORCH_ELASTIC_SHUTDOWN_TIMEOUT: torch/distributed/launcher/api.py:148-152;
+# _shutdown in torch/distributed/elastic/agent/server/api.py:752-754; tests/test_fault_tolerance.py runs it).
+# The scheduler's own deadline must come later:
+# Slurm's warning comes STOP_MARGIN seconds more before the time limit, and a pod's grace period is STOP_MARGIN
+# seconds longer than torchrun's timeout, so that torchrun itself can exit before the scheduler's SIGKILL.
+STOP_MARGIN = 30
+MIN_STOP_MARGIN = 10  # what the checks insist on between torchrun's deadline and the scheduler's
+KUBERNETES_GRACE_DEFAULT = 30  # terminationGracePeriodSeconds when a pod does not set it
 
 
 @dataclass(frozen=True)
@@ -78,6 +87,7 @@ class JobSize:
     memory_gib: int = 32  # host memory per node (pod): requested and limited, /dev/shm included
     shm_gib: int = 8  # the memory-backed /dev/shm per pod; it counts against memory_gib
     max_restarts: int = 1  # torchrun's --max-restarts: worker restarts inside one agent's life
+    stop_seconds: int = 120  # after SIGTERM, what every worker gets to finish its step and save (--shutdown-timeout)
     backoff_limit: int | None = None  # the Kubernetes jobs' backoffLimit; None = nodes + 1 (job_backoff_limit)
 
     @property
@@ -94,6 +104,12 @@ class JobSize:
         return self.nodes + 1 if self.backoff_limit is None else self.backoff_limit
 
     @property
+    def stop_window(self) -> int:
+        """Seconds between the scheduler's SIGTERM and its SIGKILL (or the time limit): Slurm's --signal lead and a
+        pod's terminationGracePeriodSeconds. torchrun's --shutdown-timeout (stop_seconds) ends STOP_MARGIN earlier."""
+        return self.stop_seconds + STOP_MARGIN
+
+    @property
     def shares_gpus(self) -> bool:
         return self.gpu_memory_mib is not None or self.gpu_cores_percent is not None
 
@@ -103,14 +119,15 @@ def torchrun_command(script: str, size: JobSize, endpoint: str, job_id: str,
     """The torchrun command line every node runs (the same on all nodes: c10d assigns node ranks)."""
     return ["torchrun", f"--nnodes={size.nodes}", f"--nproc-per-node={size.gpus_per_node}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={job_id}",
-            f"--max-restarts={size.max_restarts}", script, *map(str, args)]
+            f"--max-restarts={size.max_restarts}", f"--shutdown-timeout={size.stop_seconds}", script,
+            *map(str, args)]
 
 
 # ---------------------------------------------------------------------------- SLURM
 
 def slurm_script(script: str, size: JobSize, args: tuple | list = (), job_name: str = "ddp-train",
                  time_limit: str = "01:00:00", workdir: str | Path | None = None, setup: str | None = None,
-                 output: str = "%x-%j.out", port: int | None = None, stop_signal_seconds: int = 120) -> str:
+                 output: str = "%x-%j.out", port: int | None = None) -> str:
     """A batch script for `sbatch`: one torchrun agent per node (srun), agents meet at the first node.
 
     The rendezvous port is the job's own, `20000 + SLURM_JOB_ID % 20000` (or `port`), and each node says whether
@@ -118,8 +135,9 @@ def slurm_script(script: str, size: JobSize, args: tuple | list = (), job_name: 
     another job's agent already holds it, an agent that only *guessed* it was the host retries as a client
     (c10d_rendezvous_backend.py, `for is_server in [is_host, False]`) and silently joins that job's store. With
     `is_host` given, a taken port is an error instead. The torchrun line runs under `bash -c` so that each node's
-    task reads its own SLURM_NODEID. `#SBATCH --signal=TERM@<stop_signal_seconds>` has Slurm send SIGTERM to the
-    job's steps (the torchrun agents, which forward it to their workers) that long before the time limit, and
+    task reads its own SLURM_NODEID. `#SBATCH --signal=TERM@<size.stop_window>` has Slurm send SIGTERM to the
+    job's steps (the torchrun agents, which forward it to their workers) that long before the time limit: torchrun's
+    --shutdown-timeout (size.stop_seconds) for the workers to save, and STOP_MARGIN more for torchrun to exit. And
     `--requeue` lets Slurm requeue the job after a node failure or a preemption: a worker that saves on SIGTERM
     (fault_tolerance_train.py does) then resumes with nothing lost.
 
@@ -160,7 +178,7 @@ def slurm_script(script: str, size: JobSize, args: tuple | list = (), job_name: 
         f"#SBATCH --time={time_limit}",
         f"#SBATCH --chdir={workdir}",
         f"#SBATCH --output={output}",
-        f"#SBATCH --signal=TERM@{stop_signal_seconds}",
+        f"#SBATCH --signal=TERM@{size.stop_window}",
         "#SBATCH --requeue",
         "set -euo pipefail",
         setup,
@@ -223,6 +241,13 @@ def check_slurm_script(text: str) -> list[str]:
     if gpus is not None and str(parsed.nproc_per_node) != gpus:
         raise ValueError(f"--nproc-per-node={parsed.nproc_per_node} but #SBATCH --gpus-per-node={gpus}: one process "
                          f"per GPU, or some GPUs idle (or two processes share one, which NCCL refuses)")
+    lead = re.fullmatch(r"(?:B:)?TERM@(\d+)", sbatch.get("signal", ""))
+    shutdown_timeout = 30 if parsed.shutdown_timeout is None else parsed.shutdown_timeout  # launcher/api.py:149-152
+    if lead is None or int(lead[1]) < shutdown_timeout + MIN_STOP_MARGIN:
+        raise ValueError(f"#SBATCH --signal={sbatch.get('signal')} but torchrun --shutdown-timeout="
+                         f"{shutdown_timeout}: SIGTERM must come at least --shutdown-timeout + "
+                         f"{MIN_STOP_MARGIN} s before the time limit, or the workers get less time to save than "
+                         f"torchrun gives them")
     threads = re.search(r"^export OMP_NUM_THREADS=(\d+)$", text, re.MULTILINE)
     if threads and int(threads[1]) * int(parsed.nproc_per_node) > int(sbatch.get("cpus-per-task", 1)):
         raise ValueError(f"OMP_NUM_THREADS={threads[1]} x {parsed.nproc_per_node} processes oversubscribe "
@@ -358,7 +383,8 @@ def _volumes(size: JobSize) -> list[dict]:
 
 def _pod_spec(container: dict, size: JobSize, restart_policy: str | None, gang: str | None) -> dict:
     spec = {"restartPolicy": restart_policy} if restart_policy else {}
-    spec.update({"containers": [container], "volumes": _volumes(size)})
+    spec.update({"containers": [container], "volumes": _volumes(size),
+                 "terminationGracePeriodSeconds": size.stop_window})
     scheduler = _scheduler(size, gang)
     if scheduler:
         spec["schedulerName"] = scheduler
@@ -389,12 +415,30 @@ def check_shared_claim(claim: dict) -> Any:
     return typed
 
 
+def check_stop_window(pod: dict) -> None:
+    """The pod's terminationGracePeriodSeconds (30 when unset) outlasts its torchrun's --shutdown-timeout (30 when
+    not given) by MIN_STOP_MARGIN at least: else the kubelet SIGKILLs the workers before torchrun's own deadline,
+    and a worker still saving its checkpoint dies mid-write."""
+    grace = pod.get("terminationGracePeriodSeconds", KUBERNETES_GRACE_DEFAULT)
+    for container in pod.get("containers", []):
+        words = [word for part in container.get("command", []) + container.get("args", []) for word in part.split()]
+        if not any(word.endswith("torchrun") for word in words):
+            continue
+        timeouts = [int(w.partition("=")[2]) for w in words if w.startswith("--shutdown-timeout=")]
+        timeout = timeouts[0] if timeouts else 30
+        if grace < timeout + MIN_STOP_MARGIN:
+            raise ValueError(f"container {container.get('name')!r}: terminationGracePeriodSeconds={grace} but "
+                             f"torchrun --shutdown-timeout={timeout}: the grace period must be at least "
+                             f"--shutdown-timeout + {MIN_STOP_MARGIN} s, or the kubelet kills the workers while "
+                             f"they save")
+
+
 def check_shared_memory(pod: dict) -> None:
     """Every container mounts a memory-backed emptyDir at /dev/shm (NCCL's shared-memory transport, DataLoader
     workers: the default 64 MiB is too small)."""
     memory = {v["name"] for v in pod.get("volumes", []) if (v.get("emptyDir") or {}).get("medium") == "Memory"}
     for container in pod.get("containers", []):
-        mounts = {m.get("mountPath"): m.get("name") for m in container.get("volumeMounts", [])}
+        mounts = {(m.get("mountPath") or "").rstrip("/"): m.get("name") for m in container.get("volumeMounts", [])}
         if mounts.get("/dev/shm") not in memory:
             raise ValueError(f"container {container.get('name')!r}: no memory-backed emptyDir "
                              f"(emptyDir: {{medium: Memory}}) mounted at /dev/shm; the default is 64 MiB")
@@ -461,7 +505,7 @@ def train_job(name: str, image: str, script: str, size: JobSize, args: tuple | l
     if gang == "volcano":
         raise ValueError("a TrainJob gets Volcano gang scheduling from its runtime's podGroupPolicy; "
                          "use a runtime that sets it, or gang='kueue'")
-    pod_patch = {"volumes": _volumes(size),
+    pod_patch = {"volumes": _volumes(size), "terminationGracePeriodSeconds": size.stop_window,
                  "containers": [{"name": TRAINER_CONTAINER, "volumeMounts": _volume_mounts()}]}
     patch = {"manager": TRAINER_PATCH_MANAGER, "trainingRuntimeSpec": {"template": {"spec": {"replicatedJobs": [
         {"name": TRAINER_JOB, "template": {"spec": {"template": {"spec": pod_patch}}}}]}}}}
@@ -590,8 +634,8 @@ def validate(manifest: dict, model: str) -> Any:
 
     The kubernetes client deserializes into typed models, which rejects missing required fields and wrong
     types; serializing back and comparing catches fields the schema does not know (a misspelled
-    `restartPolcy` would otherwise vanish silently). Pod templates also get check_gpu_resources and
-    check_shared_memory.
+    `restartPolcy` would otherwise vanish silently). Pod templates also get check_gpu_resources,
+    check_shared_memory and check_stop_window.
     """
     from kubernetes.client import ApiClient
 
@@ -599,6 +643,7 @@ def validate(manifest: dict, model: str) -> Any:
     for pod in _pod_specs(manifest):
         check_gpu_resources(pod)
         check_shared_memory(pod)
+        check_stop_window(pod)
     return typed
 
 
@@ -629,6 +674,7 @@ def validate_pytorch_job(manifest: dict) -> int:
                              f"never used)")
         check_gpu_resources(pod)
         check_shared_memory(pod)
+        check_stop_window(pod)
     return len(replicas)
 
 
@@ -652,8 +698,10 @@ def validate_train_job(manifest: dict) -> Any:
     check_gpu_resources({"containers": [{"resources": resources}]}, scheduler_set_elsewhere=True)
     pods = [job["template"]["spec"]["template"]["spec"] for patch in manifest["spec"].get("runtimePatches", [])
             for job in patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"] if job["name"] == TRAINER_JOB]
+    command = manifest["spec"].get("trainer", {}).get("command", [])
     for pod in pods:
         check_shared_memory(pod)
+        check_stop_window({**pod, "containers": [{"name": TRAINER_CONTAINER, "command": command}]})
     if not pods:
         raise ValueError(f"no runtime patch for the {TRAINER_JOB!r} job: its pods get no /dev/shm volume")
     return typed
@@ -760,5 +808,10 @@ def check_shared_memory_exercise(add_shared_memory: Any) -> bool:
         check_shared_memory(pod)
     except ValueError as error:
         return not_yet(f"{error}. Mount the memory volume (by its name) at /dev/shm in every container.")
-    return correct("every container mounts a memory-backed emptyDir at /dev/shm, and the pod still matches "
+    if not any((v["emptyDir"] or {}).get("medium") == "Memory" and (v["emptyDir"] or {}).get("sizeLimit")
+               for v in empty):
+        return not_yet("the memory-backed emptyDir has no sizeLimit: without one the tmpfs is bounded only by the "
+                       "node, and what is written there counts against the container's memory limit; give it a "
+                       "bound (sizeLimit: 8Gi, say).")
+    return correct("every container mounts a bounded, memory-backed emptyDir at /dev/shm, and the pod still matches "
                    "the Kubernetes schema.")

@@ -15,6 +15,9 @@ from pathlib import Path
 from helpers.lessons.checks import announce_run, correct, each_rank, not_yet, not_yet_crashed
 
 SERIAL_SECONDS = 0.6  # ten add() calls one after another take at least 10 x 0.1 s; at once, about 0.1 + 10 x 0.01 s
+# add()'s own sleeps make a floor no machine beats: 0.1 s of slow work, then ten 0.01 s updates one at a time under
+# the lock. Faster means a sleep was removed, and then neither the overlap nor the lock was tested.
+FLOOR_SECONDS = 0.1 + 10 * 0.01
 
 
 def check_counter(script: str | Path, timeout: float = 60) -> bool:
@@ -22,7 +25,8 @@ def check_counter(script: str | Path, timeout: float = 60) -> bool:
 
     The owner is where the Counter object was created, as the script reports it (`Counter.where()`, which returns
     the name recorded by its constructor). The timing and the count make a local stand-in (a thread pool on worker0)
-    unlikely to pass by accident, not impossible to write on purpose."""
+    unlikely to pass by accident, not impossible to write on purpose. The timing is bounded on both sides: above
+    by SERIAL_SECONDS (calls one after another), below by FLOOR_SECONDS (add()'s sleeps removed)."""
     from helpers import LaunchTimeout, WorkerFailed, launch
 
     name = Path(script).name
@@ -39,21 +43,36 @@ def check_counter(script: str | Path, timeout: float = 60) -> bool:
         return not_yet_crashed(error, name)
     count, owner, partial, seconds = (got.get(key) for key in ("count", "owner", "partial_counts", "seconds"))
     problems = []
+    right_count = count == 10 and partial == list(range(1, 11))
+    if _sleeps_missing(source) or (right_count and seconds is not None and seconds < FLOOR_SECONDS):
+        problems.append("add() no longer has both of its sleeps (the ten calls took "
+                        f"{'?' if seconds is None else f'{seconds:.3f}'} s; with them, at least {FLOOR_SECONDS:g} s: "
+                        "0.1 s of slow work, then ten 0.01 s updates one at a time under the lock): keep both "
+                        "time.sleep lines in add(); without them calls never overlap, so neither running them at "
+                        "once nor the lock is tested")
     if owner != "worker1":
         problems.append(f"the counter was created on {owner!r}: create it on worker1 with rpc.remote(\"worker1\", "
                         "Counter) and call its methods through the RRef (counter.rpc_sync().where() reports where "
                         "it lives)")
+    if "to_here()" in source:  # a copy's where() still says worker1: its constructor ran there
+        problems.append("counter.to_here() copies the Counter to worker0: calls on the copy run there, not on "
+                        "worker1 (the copy's where() still reports worker1, the name its constructor recorded); call "
+                        "through the RRef instead, counter.rpc_async().add(1)")
     if seconds is None or seconds > SERIAL_SECONDS:
         serial = f"the ten add() calls took more than {SERIAL_SECONDS} s, so they ran one after another"
         if "rpc_async" not in source:
             problems.append(f"{serial}: send all ten with counter.rpc_async().add(1), then wait for the futures")
+        elif _waits_where_it_sends(source) and not _lock_around_slow_work(source):
+            problems.append(f"{serial}: each future is waited for in the same loop that sends it, so each call "
+                            "runs alone; send all ten first (futures = [counter.rpc_async().add(1) for _ in "
+                            "range(10)]), then wait for the futures")
         elif "Lock" in source:
             problems.append(f"{serial} on worker1: is your lock held during add()'s slow 0.1 s sleep? Hold it only "
                             "around the read and the write (and send all ten calls before waiting for any)")
         else:
             problems.append(f"{serial}: send all ten with counter.rpc_async().add(1) before you wait for any of "
                             "the futures")
-    if count != 10 or partial != list(range(1, 11)):
+    if not right_count:
         problems.append(f"the count is {count!r} and the ten add() calls returned {partial!r}, not 1..10: calls "
                         "running at once overwrote each other's update; guard add()'s read and write with a "
                         "threading.Lock")
@@ -61,6 +80,47 @@ def check_counter(script: str | Path, timeout: float = 60) -> bool:
         return not_yet("; ".join(problems) + ".")
     return correct(f"the counter lives on worker1; ten add() calls ran there at once (in less than {SERIAL_SECONDS} "
                    "s), and the lock kept every update: they returned 1..10 and the total is 10.")
+
+
+def _sleeps_missing(source: str) -> bool:
+    """Whether Counter.add in the learner's source lacks time.sleep(0.1) or time.sleep(0.01) (read with ast, so
+    comments and spacing do not matter). A source that does not parse is left to the launch to report."""
+    tree = _parsed(source)
+    if tree is None:
+        return False
+    calls = {ast.unparse(node) for cls in tree.body if isinstance(cls, ast.ClassDef) and cls.name == "Counter"
+             for method in cls.body if isinstance(method, ast.FunctionDef) and method.name == "add"
+             for node in ast.walk(method) if isinstance(node, ast.Call)}
+    return not {"time.sleep(0.1)", "time.sleep(0.01)"} <= calls
+
+
+def _parsed(source: str) -> ast.Module | None:
+    try:
+        return ast.parse(source)
+    except SyntaxError:
+        return None
+
+
+def _waits_where_it_sends(source: str) -> bool:
+    """Whether one loop (a for statement or a comprehension) both sends with rpc_async and waits (.wait())."""
+    tree = _parsed(source)
+    loops = (ast.For, ast.While, ast.ListComp, ast.GeneratorExp, ast.SetComp, ast.DictComp)
+    for loop in (node for node in ast.walk(tree or ast.Module(body=[], type_ignores=[])) if isinstance(node, loops)):
+        text = ast.unparse(loop)
+        if "rpc_async" in text and ".wait()" in text:
+            return True
+    return False
+
+
+def _lock_around_slow_work(source: str) -> bool:
+    """Whether Counter.add holds a `with` block (the lock) around its time.sleep(0.1)."""
+    tree = _parsed(source)
+    for cls in (tree.body if tree else []):
+        if isinstance(cls, ast.ClassDef) and cls.name == "Counter":
+            for node in ast.walk(cls):
+                if isinstance(node, ast.With) and "time.sleep(0.1)" in ast.unparse(node):
+                    return True
+    return False
 
 
 def step_locks() -> dict[str, list[str]]:

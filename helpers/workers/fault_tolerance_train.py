@@ -21,6 +21,9 @@
                        this rank sends SIGTERM to its torchrun agent, which forwards it to every worker. Each
                        worker finishes its step; the ranks agree on the step to stop at, rank 0 saves a
                        checkpoint there, and all exit. A resubmitted job resumes with no step lost
+--stop-seconds S       after SIGTERM, take S seconds before that save (a sleep of ours, standing in for the
+                       write of a large checkpoint): torchrun SIGKILLs workers still running --shutdown-timeout
+                       seconds after it forwarded the SIGTERM
 --backend nccl         insist on GPUs: fail at start-up if CUDA is missing, instead of training on the CPU
 Without --checkpoint a restart starts again from step 0. Works with one process, gloo or nccl.
 """
@@ -59,6 +62,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--fail-mode", choices=["crash", "hang", "mid-save", "node-lost", "preempt"],
                         default="crash")
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds a collective may wait")
+    parser.add_argument("--stop-seconds", type=float, default=0.0,
+                        help="after SIGTERM, sleep this long before the save (ours: a large checkpoint's write)")
     parser.add_argument("--backend", choices=["nccl", "gloo"], default=None,
                         help="default: nccl with CUDA, gloo without; nccl fails at once when CUDA is missing")
     return parser.parse_args()
@@ -75,7 +80,7 @@ _stop_requested = False
 
 def _on_sigterm(signum, frame) -> None:
     """torchrun forwards SIGTERM to its workers and waits --shutdown-timeout seconds (30 by default) before a
-    SIGKILL: enough to finish this step and save."""
+    SIGKILL: the time to finish this step and save."""
     global _stop_requested
     _stop_requested = True
 
@@ -201,6 +206,11 @@ def main() -> None:
             report(step=step, loss=loss.item(), world_size=world_size)
             progress(step, total=args.steps)
             stopping = stop_agreed(device)
+            if stopping and args.stop_seconds:
+                if rank == 0:
+                    print(f"step {step}: SIGTERM: {args.stop_seconds:g} s of work before the save (a sleep of ours)",
+                          flush=True)
+                time.sleep(args.stop_seconds)
             if args.checkpoint and (step % args.checkpoint_every == 0 or stopping):
                 save(args, model, optimizer, step, rank, world_size)
             if stopping:

@@ -302,3 +302,60 @@ def test_the_lesson_keeps_its_main_line_short_its_citations_folded_and_its_hand_
     text = json.dumps(notebook)
     for absent in ("SEED-CLAIMS", "tests/test_", "tests/fast", "docs/facilitator", "in this copy"):
         assert absent not in text, absent
+
+
+def test_check_accepts_get_total_norm_then_clip_grads_with_norm(capsys) -> None:
+    """Review 04-2: torch's documented equivalent of clip_grad_norm_, in two public calls."""
+    def step(model, optimizer, scaler, images, labels, max_norm):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.cross_entropy(model(images), labels)
+        optimizer.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, nn.utils.get_total_norm(grads))
+        scaler.step(optimizer)
+        scaler.update()
+        return loss.item()
+
+    assert check_amp_train_step(step), capsys.readouterr().out
+    assert nn.utils.clip_grads_with_norm_ is torch.nn.utils.clip_grad._clip_grads_with_norm_  # restored
+
+
+def test_check_names_update_before_step(capsys) -> None:
+    """Review 04-2: scaler.update() before scaler.step(): the step unscales a second time; the hint must say so,
+    not blame the loss's placement or max_norm."""
+    def step(model, optimizer, scaler, images, labels, max_norm):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.cross_entropy(model(images), labels)
+        optimizer.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        scaler.update()
+        scaler.step(optimizer)
+        return loss.item()
+
+    assert not check_amp_train_step(step)
+    out = capsys.readouterr().out
+    assert out.startswith("Not yet") and "scaler.update() ran before scaler.step(optimizer)" in out, out
+    assert "compute the loss inside the autocast block" not in out, out
+
+
+def test_check_refuses_backward_and_step_inside_autocast(capsys) -> None:
+    """Review 04-2: the lesson says to wrap only the forward pass and the loss; a step with everything inside the
+    autocast block gets the same weights, so the check names it."""
+    def step(model, optimizer, scaler, images, labels, max_norm):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.cross_entropy(model(images), labels)
+            optimizer.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            scaler.step(optimizer)
+            scaler.update()
+        return loss.item()
+
+    assert not check_amp_train_step(step)
+    out = capsys.readouterr().out
+    assert out.startswith("Not yet") and "backward, the clipping, scaler.step ran inside the autocast block" in out, out

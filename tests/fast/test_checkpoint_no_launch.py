@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import io
+import os
 import random
 
 import pytest
@@ -74,6 +75,29 @@ def test_atomic_save_check_rejects_a_save_that_deletes_the_old_file_before_the_r
 
     assert not check_atomic_save(unlink_then_rename, tmp_path)
     assert "just before file step 2" in capsys.readouterr().out
+
+
+def test_atomic_save_check_rejects_a_temporary_file_outside_the_checkpoints_folder(tmp_path, capsys):
+    """Review 06-3: mkstemp() in the default temporary folder, then shutil.move, passes every crash on one file
+    system; on a cluster (checkpoints on shared storage, /tmp on the node) the move is a copy, or os.replace raises
+    EXDEV. The check reads where the renamed file came from. The same save with dir=path.parent passes."""
+    import shutil
+    import tempfile
+
+    def save_via(directory):
+        def save(state, path):
+            handle, temporary = tempfile.mkstemp(dir=directory(path))
+            with os.fdopen(handle, "wb") as file:
+                torch.save(state, file)
+            shutil.move(temporary, path)
+        return save
+
+    elsewhere = tmp_path / "node-local"
+    elsewhere.mkdir()
+    assert not check_atomic_save(save_via(lambda path: elsewhere), tmp_path / "shared")
+    out = capsys.readouterr().out
+    assert out.startswith("Not yet") and "not beside the checkpoint" in out and "EXDEV" in out, out
+    assert check_atomic_save(save_via(lambda path: path.parent), tmp_path / "beside")
 
 
 def test_weights_only_refuses_code_in_a_checkpoint(tmp_path):

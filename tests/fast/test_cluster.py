@@ -14,6 +14,7 @@ from helpers import REPO_ROOT
 from helpers.lessons.cluster import (
     HAMI_SCHEDULER,
     KUEUE_QUEUE_LABEL,
+    STOP_MARGIN,
     JobSize,
     check_indexed_command,
     check_pod_command,
@@ -52,8 +53,11 @@ def test_slurm_script_passes_bash_and_torchrun_parsers():
     node_line = shlex.split(srun)[-1]
     assert "--rdzv-conf=is_host=1" in slurm_node_arguments(node_line, 0)
     assert "--rdzv-conf=is_host=0" in slurm_node_arguments(node_line, 1)
-    # a polite stop before the time limit, and a requeue after a preemption or a node failure
-    assert "#SBATCH --signal=TERM@120" in text and "#SBATCH --requeue" in text
+    # a polite stop before the time limit, and a requeue after a preemption or a node failure; torchrun gives its
+    # workers stop_seconds after SIGTERM (its default, 30 s, is too short for a large checkpoint: review 06-1), and
+    # Slurm's warning comes STOP_MARGIN seconds earlier still, for torchrun itself to exit
+    assert "--shutdown-timeout=120" in arguments
+    assert f"#SBATCH --signal=TERM@{120 + STOP_MARGIN}" in text and "#SBATCH --requeue" in text
 
 
 @pytest.mark.parametrize("change, words", [
@@ -64,9 +68,15 @@ def test_slurm_script_passes_bash_and_torchrun_parsers():
     (("OMP_NUM_THREADS=4", "OMP_NUM_THREADS=8"), "oversubscribe"),
     (("--nproc-per-node=2", "--nproc-per-node=4"), "gpus-per-node=2"),
     ((' --rdzv-conf=is_host=$([ "$SLURM_NODEID" = 0 ] && echo 1 || echo 0)', ""), "not told whether they host"),
+    ((f"--signal=TERM@{120 + STOP_MARGIN}", "--signal=TERM@120"), "at least --shutdown-timeout"),
+    (("--shutdown-timeout=120 ", ""), None),  # torchrun's 30 s default: well inside Slurm's window, accepted
 ])
 def test_slurm_check_catches_mistakes(change, words):
     text = slurm_script("train.py", SHARED).replace(*change)
+    assert text != slurm_script("train.py", SHARED)
+    if words is None:
+        check_slurm_script(text)
+        return
     with pytest.raises(ValueError, match=words):
         check_slurm_script(text)
 
@@ -281,6 +291,28 @@ def test_kubernetes_jobs_use_c10d_with_torchs_store_opt_out_not_the_restart_coun
 
 
 @pytest.mark.parametrize("kind", ["indexed", "pytorchjob", "trainjob"])
+def test_a_pod_grace_period_shorter_than_torchruns_shutdown_timeout_is_refused(kind):
+    """Review 06-1: the kubelet's SIGKILL comes terminationGracePeriodSeconds (30 by default) after SIGTERM; torchrun's
+    comes --shutdown-timeout after it. The generated pods outlast torchrun by STOP_MARGIN; the Kubernetes default does
+    not, and the check says so."""
+    if kind == "indexed":
+        job = indexed_job("ddp", IMAGE, "train.py", SHARED)["job"]
+        pod, check = job["spec"]["template"]["spec"], lambda: validate(job, "V1Job")
+    elif kind == "pytorchjob":
+        job = pytorch_job("ddp", IMAGE, "train.py", SHARED)
+        pod, check = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"], lambda: validate_pytorch_job(job)
+    else:
+        job = train_job("ddp", IMAGE, "train.py", SHARED)
+        patch = job["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]
+        pod, check = patch["template"]["spec"]["template"]["spec"], lambda: validate_train_job(job)
+    assert pod["terminationGracePeriodSeconds"] == SHARED.stop_seconds + STOP_MARGIN
+    check()
+    del pod["terminationGracePeriodSeconds"]  # Kubernetes' default, 30 s, against torchrun's 120
+    with pytest.raises(ValueError, match="terminationGracePeriodSeconds=30 but torchrun --shutdown-timeout=120"):
+        check()
+
+
+@pytest.mark.parametrize("kind", ["indexed", "pytorchjob", "trainjob"])
 def test_a_pod_without_a_memory_backed_dev_shm_is_refused(kind):
     if kind == "indexed":
         job = indexed_job("ddp", IMAGE, "train.py", SHARED)["job"]
@@ -308,9 +340,21 @@ def test_the_checkpoint_claim_must_be_read_write_many():
 
 
 def _shm_solution(pod):
+    pod["volumes"].append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}})
+    for container in pod["containers"]:
+        container["volumeMounts"].append({"name": "dshm", "mountPath": "/dev/shm"})
+
+
+def _unbounded(pod):  # review 06-4: right in every other way, but the tmpfs is bounded only by the node
     pod["volumes"].append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
     for container in pod["containers"]:
         container["volumeMounts"].append({"name": "dshm", "mountPath": "/dev/shm"})
+
+
+def _trailing_slash(pod):  # right but different: Kubernetes mounts /dev/shm/ at /dev/shm
+    pod["volumes"].append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}})
+    for container in pod["containers"]:
+        container["volumeMounts"].append({"name": "dshm", "mountPath": "/dev/shm/"})
 
 
 def _on_disk(pod):
@@ -347,6 +391,7 @@ def _misspelled(pod):
     (_replaces_volumes, "checkpoints volume is gone"),
     (_wrong_name, "by its name"),
     (_misspelled, "schema"),
+    (_unbounded, "no sizeLimit"),
 ])
 def test_shared_memory_exercise_says_not_yet_to_wrong_answers(wrong, words, capsys):
     assert not check_shared_memory_exercise(wrong)
@@ -356,6 +401,7 @@ def test_shared_memory_exercise_says_not_yet_to_wrong_answers(wrong, words, caps
 def test_shared_memory_exercise_accepts_the_solution_in_place_or_returned(capsys):
     assert check_shared_memory_exercise(_shm_solution)
     assert check_shared_memory_exercise(lambda pod: (_shm_solution(pod), pod)[1])
+    assert check_shared_memory_exercise(_trailing_slash)
     assert "Correct" in capsys.readouterr().out
     assert "dshm" not in str(pod_without_shared_memory())
 

@@ -27,3 +27,16 @@ def test_the_lesson_keeps_its_main_line_short_its_citations_folded_and_its_hand_
     text = json.dumps(notebook)
     for absent in ("SEED-CLAIMS", "tests/test_", "tests/fast", "docs/facilitator", "in this copy"):
         assert absent not in text, absent
+
+
+def test_the_counter_check_reads_whether_add_kept_its_sleeps():
+    """Review 05-2: without add()'s sleeps nothing overlaps and no lock is needed, so a serial, lockless counter
+    would pass on its count alone; the check reads the learner's source for both sleeps."""
+    from helpers import WORKERS
+    from helpers.lessons.rpc import _sleeps_missing
+
+    solution = (WORKERS / "rpc_counter_solution.py").read_text()
+    assert not _sleeps_missing(solution)
+    assert not _sleeps_missing(solution.replace("time.sleep(0.1)  # slow", "time.sleep( 0.1 )  # slow"))
+    assert _sleeps_missing(solution.replace("            time.sleep(0.01)\n", ""))
+    assert _sleeps_missing(solution.replace("        time.sleep(0.1)  # slow", "        pass  # slow"))
