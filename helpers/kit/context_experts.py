@@ -206,7 +206,7 @@ def _pairs_with(mistake: str | None, mine: list[int], theirs: list[int],
 
 class CommCounter(TorchDispatchMode):
     """Records every communication op the dispatcher sees while active: c10d's ops (what dist.send, dist.isend,
-    dist.all_to_all_single, dist.all_gather_into_tensor... call) and the functional collectives
+    dist.all_to_all_single, dist.all_gather_into_tensor, dist.all_gather... call) and the functional collectives
     (torch.distributed._functional_collectives, what torch's ring attention calls). Each event: the op, the
     bytes handed to it, and `sent`: the bytes that must leave this rank (for an all-gather, this rank's input once
     for each of the others; for an all-to-all, the rows for the other ranks; for a send, the tensor). An all-gather's
@@ -246,6 +246,10 @@ class CommCounter(TorchDispatchMode):
         if op in ("all_gather_into_tensor", "_allgather_base_"):  # the group's size from the call itself
             tensor, size = (args[0], args[1]) if op == "all_gather_into_tensor" else (
                 args[1], args[0].numel() // max(args[1].numel(), 1))
+            return {"op": "all_gather", "bytes": _nbytes(tensor), "sent": (size - 1) * _nbytes(tensor),
+                    "group": size}
+        if op == "allgather_":  # the list form (dist.all_gather, dist.nn.functional.all_gather): ([[out] * size], [in])
+            tensor, size = args[1][0], len(args[0][0])
             return {"op": "all_gather", "bytes": _nbytes(tensor), "sent": (size - 1) * _nbytes(tensor),
                     "group": size}
         if op in ("reduce_scatter_tensor", "_reduce_scatter_base_"):

@@ -68,8 +68,9 @@ def load_module(path: str | Path) -> Any:
 
 
 # The merge check's cases: (what, score scale, bar). The truth is attention over all 12 keys in float64, from the same
-# float32 q, k, v. float32 holds a log-sum-exp near 276 only to half its spacing there (2**-15 = 3.1e-5), and that
-# rounding scales both blocks' weights: a right merge's output can be off by that much times |out| (up to ~3.2 here),
+# float32 q, k, v. float32 holds a log-sum-exp near 276 only to half its spacing there (the spacing in [256, 512) is
+# 2**-15 = 3.1e-5, half of it 1.5e-5), and that rounding scales both blocks' weights: a right merge's output can be
+# off by that much times |out| (up to ~3.2 here),
 # so the large case's bar is 1e-4; a wrong merge (the mistakes named below) is off by 0.05 or more.
 MERGE_CASES = (("ordinary scores", 1.0, TRUTH), ("large scores (log-sum-exp up to 276)", 80.0, 1e-4))
 

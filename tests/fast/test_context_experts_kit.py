@@ -223,6 +223,10 @@ def test_ring_design_and_crash_advice_name_what_they_saw():
     assert ring_design(seen("send", "recv")).startswith("a ring")
     assert ring_design(seen("all_gather", "reduce_scatter")).startswith("an all-gather, not a ring")
     assert ring_design(seen("all_to_all")).startswith("a rotation by all-to-all")
+    from helpers.kit.context_experts import CommCounter  # c10d's list form (dist.all_gather) is an all-gather too
+    x = torch.ones(4)
+    event = CommCounter(0, 2)._describe("allgather_", ([[torch.empty(4), torch.empty(4)]], [x], None, True))
+    assert event == {"op": "all_gather", "bytes": 16, "sent": 16, "group": 2}
     assert "exchange the counts first" in moe_crash_advice("... RuntimeError: [gloo] expected size 4 ...")
     assert "splits swapped" in moe_crash_advice("... RuntimeError: Split sizes doesn't match total dim 0 size")
     assert moe_crash_advice("... ValueError: something else") == "... ValueError: something else"
