@@ -5,7 +5,7 @@
 Every rank posts a non-blocking send of its tensor to every other rank and a non-blocking receive
 from each of them, then waits for all of them. Blocking send/recv in a loop could deadlock: two
 ranks that both start with `send` would each wait for the other to receive.
-Works with any number of processes, on CPU (gloo) or GPUs (nccl).
+Any number of processes. Checked on gloo; on nccl, post them with dist.batch_isend_irecv (lesson 01).
 """
 import torch
 import torch.distributed as dist

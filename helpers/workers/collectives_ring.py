@@ -9,7 +9,7 @@ around the ring. Each rank sends 2(N-1)/N of the tensor in total, whatever N is:
 Bytes are counted twice, where they are sent: at every isend call, and by the operating system
 (/proc/self/io on Linux), which also counts what dist.all_reduce itself writes. With nccl on GPUs the
 bytes travel over NVLink/PCIe/InfiniBand, not through write calls, so the OS count says nothing there.
-Works with any number of processes (one process: nothing to send), on CPU (gloo) or GPUs (nccl).
+Any number of processes (one: nothing to send). Checked on gloo; on nccl, use dist.batch_isend_irecv (lesson 01).
 """
 import argparse
 import time
