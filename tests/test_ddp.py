@@ -54,6 +54,10 @@ def _attempt(tmp_path, solution: str, mistake: str, replacement: str):
     # DistributedSampler's default shuffles: the right samples per rank, in another order
     ("ddp_exercise_solution.py", "DistributedSampler(train_set, shuffle=False)", "DistributedSampler(train_set)",
      "default shuffled order: pass DistributedSampler(..., shuffle=False)"),
+    # contiguous halves (rank 0 the first 128 samples): each rank its own half, but other samples in each step
+    ("ddp_exercise_solution.py", "sampler = DistributedSampler(train_set, shuffle=False)",
+     "sampler = range(rank * len(train_set) // world_size, (rank + 1) * len(train_set) // world_size)",
+     "deal the samples in turn, as DistributedSampler(shuffle=False) does"),
     # by hand: forgetting the all_reduce leaves each rank with its own gradients
     ("ddp_exercise_by_hand_solution.py", "dist.all_reduce(parameter.grad)", "pass",
      "all_reduce every parameter's .grad and divide it by world_size"),

@@ -5,12 +5,14 @@
     report = naive.train_step(images, labels, loss_fn, optimizer)   # report.phase_seconds, report.per_device
 
 `nn.DataParallel` needs GPUs: on CPU it is a pass-through, and in torch 2.14.1 none of torch.nn.parallel's
-four functions runs on CPU tensors: scatter ends in comm.scatter (CUDA), replicate in Broadcast.forward
-(_functions.py:13-14), parallel_apply asks for an accelerator (parallel_apply.py:70-73), gather in
-Gather.forward (_functions.py:85-86). So NaiveDataParallel is OUR rebuild of DataParallel's algorithm on
-CPU "devices" (one thread and one set of weights per device). Only its replicate step is torch's own code:
-torch.nn.parallel.replicate, with its device copy (_broadcast_coalesced_reshape) swapped for our CPU
-Broadcast below. scatter, parallel_apply, gather, the Broadcast and the split of the backward are ours.
+four functions runs on a machine without a GPU. replicate and gather refuse CPU tensors: Broadcast.forward
+(_functions.py:13-14), Gather.forward (_functions.py:85-86). scatter and parallel_apply stop because there is
+no GPU: scatter takes a CPU input by design and ends in comm.scatter (comm.py:209, a device index, then
+_C._scatter), parallel_apply asks for an accelerator (parallel_apply.py:71-73).
+So NaiveDataParallel is OUR rebuild of DataParallel's algorithm on CPU "devices" (one thread and one set of
+weights per device). Only its replicate step is torch's own code: torch.nn.parallel.replicate, with its
+device copy (_broadcast_coalesced_reshape) swapped for our CPU Broadcast below. scatter, parallel_apply,
+gather, the Broadcast and the split of the backward are ours.
 The gradients reach the module's own parameters through Broadcast's backward, which sums them over the devices.
 """
 import sys

@@ -401,9 +401,11 @@ def check_ddp_worker(script: str | Path, nproc: int = 2, timeout: float = 60) ->
                        f"{diff:.1e}), and they match what one process computes with this mistake: {advice}")
     if diff >= 1e-5:  # e.g. a per-rank batch of GLOBAL_BATCH, or shuffled shards
         return not_yet(f"the ranks agree, but their weights differ from the one-process run (max abs diff "
-                       f"{diff:.1e}): use a per-rank batch of GLOBAL_BATCH // world_size and "
-                       f"DistributedSampler(shuffle=False); averaging by hand, divide the all_reduce's sum by "
-                       f"world_size.")
+                       f"{diff:.1e}): use a per-rank batch of GLOBAL_BATCH // world_size and deal the samples in turn, "
+                       f"as DistributedSampler(shuffle=False) does (rank r takes samples r, r + world_size, ...), so "
+                       f"that each global batch holds the same samples as in one process (contiguous halves, rank 0 "
+                       f"taking the first half, put other samples in each step); averaging by hand, divide the "
+                       f"all_reduce's sum by world_size.")
     printed = {rank: text.strip().splitlines() for rank, text in run.logs.items() if rank != 0 and text.strip()}
     if printed:  # e.g. the original print() left outside `if rank == 0:`: every rank prints the same line
         rank, lines = min(printed.items())

@@ -106,7 +106,7 @@ def main() -> None:
     rank, _, device = init_distributed()
     if device.type != "cpu":
         raise SystemExit("dp_vs_ddp_overlap.py measures CPU-side spans (gloo): on GPUs, profile the kernels of the "
-                         "compute stream against NCCL's kernels instead (see the lesson, section 6)")
+                         "compute stream against NCCL's kernels instead (see the lesson, section 5)")
     torch.manual_seed(rank)
     torch.set_num_threads(1)
     images = torch.rand(args.per_rank_batch, 1, 28, 28)
