@@ -467,7 +467,8 @@ def _tp_phase_counts_cached(blocks: int) -> tuple[tuple[str, tuple[tuple[str, in
 
 
 def tp_phase_counts(blocks: int) -> dict[str, dict[str, int]]:
-    """Torch's tp collectives for the exercise's plan, {"forward": {...}, "backward": {...}} (measured once)."""
+    """Torch's tp collectives for the exercise's plan, {"forward": {...}, "backward": {...}} (measured once): the
+    checker's answer key, which the lesson's hints ask learners not to call."""
     return {phase: dict(counts) for phase, counts in _tp_phase_counts_cached(blocks)}
 
 
@@ -482,7 +483,16 @@ def _counts_of(answer: Any) -> dict[str, dict[str, int]]:
 _LOOK_AT = {"forward": "walk one block's forward layer by layer: what layout does each layer's input arrive in, and "
                        "what layout does that layer's plan entry ask for?",
             "backward": "backward sends a gradient back through every redistribution forward made, in the opposite "
-                        "direction (the gradient of an all-gather is a reduce-scatter, and the reverse)."}
+                        "direction (the gradient of an all-gather is a reduce-scatter, and the reverse).",
+            # the backward all-reduces come from no redistribution: the norm weights' Partial(sum) gradients
+            ("backward", "all_reduce"): "look at the parameters the plan leaves replicated on tp (the norms): each "
+                                        "rank's gradient of such a weight is a partial sum, and it must be summed "
+                                        "over tp."}
+
+
+def _look_at(phase: str, op: str) -> str:
+    """Where to look when the learner's count of `op` in `phase` is off."""
+    return _LOOK_AT.get((phase, op), _LOOK_AT[phase])
 
 
 def _where_it_differs(yours: dict[int, dict], torch_counts: dict[int, dict]) -> str | None:
@@ -499,14 +509,14 @@ def _where_it_differs(yours: dict[int, dict], torch_counts: dict[int, dict]) -> 
             if not any(real):
                 return f"torch ran no {op} in {phase}; your counts have some."
             if not any(mine):
-                return f"your {phase} has no {op}; torch ran some. To see where: {_LOOK_AT[phase]}"
+                return f"your {phase} has no {op}; torch ran some. To see where: {_look_at(phase, op)}"
             if mine[1] - mine[0] != mine[2] - mine[1]:
                 return (f"your {phase} count of {op} does not grow by the same amount with each block, and every "
                         "block has the same layers.")
             slope, torch_slope = mine[1] - mine[0], real[1] - real[0]
             if slope != torch_slope:
                 return (f"per block, your {phase} count of {op} is too {'low' if slope < torch_slope else 'high'}. "
-                        f"To see why, {_LOOK_AT[phase]}")
+                        f"To see why, {_look_at(phase, op)}")
             return (f"per block your {phase} count of {op} is right, but the part outside the blocks is too "
                     f"{'low' if mine[0] < real[0] else 'high'}: look at the embedding, the final norm and the "
                     "output layer.")

@@ -161,7 +161,10 @@ def changed(phase, **counts):
     # wq, wk, wv counted, w1 forgotten
     (changed("forward", all_gather=lambda b: 3 * b + 2), "per block, your forward count of all_gather is too low"),
     (changed("forward", all_gather=lambda b: 4 * b), "part outside the blocks is too low"),  # output layer forgotten
-    (changed("backward", all_reduce=lambda b: 0), "your backward has no all_reduce"),  # the norm weights
+    (changed("backward", all_reduce=lambda b: 0), "your backward has no all_reduce; torch ran some. To see where: look "
+     "at the parameters the plan leaves replicated on tp"),  # the norm weights
+    (changed("backward", all_reduce=lambda b: b + 1), "per block, your backward count of all_reduce is too low. To see "
+     "why, look at the parameters the plan leaves replicated on tp"),  # one norm per block forgotten
     (changed("backward", all_gather=lambda b: 4 * b + 2), "per block, your backward count of all_gather is too high"),
     # TP without sequence parallelism: all-reduces where the plan reduce-scatters and gathers
     (lambda b: {"forward": {"all_reduce": 2 * b + 1, "all_gather": 1}, "backward": {"all_reduce": 4 * b + 1}},
