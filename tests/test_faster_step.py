@@ -8,6 +8,7 @@ rate, and the closing note."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -283,6 +284,14 @@ def test_fsdp2_compiled_four_ways_sends_what_eager_sends(fsdp, capsys):
     assert whole["skipped_frames"][0].startswith("forward (faster_step.py")
     fsdp_table(fsdp[0])
     assert "each block, fullgraph=True" in capsys.readouterr().out
+
+
+def test_a_launch_leaves_no_compile_cache_behind(fsdp, compiled):
+    """The lesson says the compile caches go at the end: the launch server's workers end with os._exit, which runs
+    no atexit handler, so the workers remove them themselves (both launches: the server's and fresh interpreters)."""
+    caches = {got["cache"] for run in (fsdp, compiled) for got in run.values()}
+    assert len(caches) == 2 and all(os.path.basename(c).startswith("lesson13-compile-cache-") for c in caches)
+    assert not [c for c in caches if os.path.exists(c)]
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,8 @@
   the graphs it makes per block.
 - `prepare_compile()`: before the first torch.compile in a process: one compile thread (inductor's compile_threads,
   so a learner's memory stays in budget), the compile caches in a temporary folder of this launch, shared by its
-  ranks (never the repository; removed when the process ends).
+  ranks (never the repository); `remove_compile_caches()` removes it, in the worker's `finally` (the launch
+  server's workers end with os._exit, which runs no atexit handler).
 - `require_cxx()`: the C++ compiler inductor needs on a CPU, found by torch's own lookup; without one, `NoCompiler`
   says so in one sentence, instead of torch's error deep inside the first compiled step.
 - `still_working(what)`: a line at once, then one every few seconds, while a compile runs.
@@ -21,7 +22,6 @@
 
 No `from __future__ import annotations` here: DDP checks a comm hook's return annotation when it is registered.
 """
-import atexit
 import contextlib
 import gc
 import itertools
@@ -106,19 +106,31 @@ def require_cxx() -> str:
         raise NoCompiler(NO_COMPILER.format(detail=error)) from None
 
 
+_CACHES: list[str] = []  # the folders prepare_compile made in this process, for remove_compile_caches
+
+
 def prepare_compile() -> str:
     """One compile thread; the compile caches in a temporary folder of this launch, the same for every rank (so that
-    a rank can read what another compiled) and removed at exit; returns that folder. Whether inductor can compile
-    here is require_cxx's question."""
+    a rank can read what another compiled); returns that folder, which remove_compile_caches() removes. Whether
+    inductor can compile here is require_cxx's question."""
     os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
     launch_id = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT") or str(os.getpid())
     cache = os.path.join(tempfile.gettempdir(), f"lesson13-compile-cache-{launch_id}")
     os.makedirs(cache, exist_ok=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
-    atexit.register(shutil.rmtree, cache, ignore_errors=True)
+    _CACHES.append(cache)
     import torch._inductor.config as inductor_config
     inductor_config.compile_threads = 1  # workers forked from the launch server inherit its config, already read
     return cache
+
+
+def remove_compile_caches() -> None:
+    """Remove the folders prepare_compile made in this process: call it in the worker's `finally`, after the ranks'
+    last barrier (another rank may still read the shared cache before it). Not atexit: a worker forked by the
+    launch server ends with os._exit (helpers/launcher/server.py), which runs no atexit handler, and the folders
+    stayed in /tmp."""
+    while _CACHES:
+        shutil.rmtree(_CACHES.pop(), ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -333,10 +333,13 @@ def split_figure(compile_results: dict) -> Any:
         left = 0.0
         for index, size in enumerate(row["graphs"]):
             ax.barh(y, size / 2**20, left=left, color=f"C{index}", edgecolor="white")
-            ax.text(left + size / 2**21, y, f"graph {index + 1}", ha="center", va="center", fontsize=8, color="white")
+            last = index == len(row["graphs"]) - 1  # DDPOptimizer's first bucket: it walks from the last layer back
+            ax.text(left + size / 2**21, y, f"graph {index + 1}" + ("\nlast layers" if last else ""), ha="center",
+                    va="center", fontsize=8, color="white")
             left += size / 2**20
     ax.set(yticks=range(len(rows)), yticklabels=[f"bucket_cap_mb: {r['setting']}" for r in rows],
-           xlabel="MiB of parameters, first layer on the left", title="The graphs torch.compile made of the DDP model")
+           xlabel="MiB of parameters: first layer on the left, last layers (DDPOptimizer's first bucket) on the right",
+           title="The graphs torch.compile made of the DDP model")
     ax.invert_yaxis()
     return ax
 
@@ -349,7 +352,7 @@ def fsdp_table(fsdp_results: dict) -> None:
         for event in last:
             ops[event["op"]] = ops.get(event["op"], 0) + 1
         graphs = [g["parameter_bytes"] for g in run["graphs"]]
-        print(f"{how:<22} graphs {len(graphs)} (parameter bytes {graphs}); last step: "
+        print(f"{how:<26} graphs {len(graphs)} (parameter bytes {graphs}); last step: "
               f"{', '.join(f'{n} x {op}' for op, n in sorted(ops.items()))}, {sum(e['bytes'] for e in last):,} "
               f"bytes; gradient shards differ from eager by {run['max_difference']:.1g}")
 

@@ -38,6 +38,7 @@ from helpers.kit.faster_step import (
     flat_grad,
     prepare_compile,
     release,
+    remove_compile_caches,
     require_cxx,
     still_working,
     synchronize,
@@ -224,4 +225,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:  # after main's last barrier (release); also when it fails
+        remove_compile_caches()

@@ -21,7 +21,15 @@ from torch._dynamo.utils import counters
 from torch.distributed.fsdp import fully_shard
 
 from helpers.kit.distributed import init_distributed
-from helpers.kit.faster_step import GraphCounter, build_model, digits_batches, prepare_compile, release, still_working
+from helpers.kit.faster_step import (
+    GraphCounter,
+    build_model,
+    digits_batches,
+    prepare_compile,
+    release,
+    remove_compile_caches,
+    still_working,
+)
 from helpers.kit.reporting import progress, result
 from helpers.kit.zero import CommLog, is_call
 
@@ -61,7 +69,7 @@ def dynamo_said() -> dict:
 
 
 def main() -> None:
-    prepare_compile()
+    cache = prepare_compile()
     rank, world_size, device = init_distributed()
     batches = digits_batches(rank, 32, STEPS, device)
     log = CommLog().install()
@@ -81,10 +89,13 @@ def main() -> None:
         run["max_difference"] = max((a - b).abs().max().item() for a, b in zip(run.pop("gradients"), eager,
                                                                                  strict=True))
     log.uninstall()
-    result(runs=runs, world_size=world_size)
+    result(runs=runs, world_size=world_size, cache=cache)
     release()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:  # after main's last barrier (release); also when it fails
+        remove_compile_caches()

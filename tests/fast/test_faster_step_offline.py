@@ -22,6 +22,7 @@ from helpers.kit.faster_step import (
     build_model,
     fit_residual,
     prepare_compile,
+    remove_compile_caches,
     require_cxx,
     still_working,
 )
@@ -77,6 +78,9 @@ def test_prepare_compile_keeps_caches_out_of_the_repository(monkeypatch):
     assert os.environ["TORCHINDUCTOR_COMPILE_THREADS"] == "1" and config.compile_threads == 1
     assert cache == os.environ["TORCHINDUCTOR_CACHE_DIR"] and cache.startswith(tempfile.gettempdir())
     assert not cache.startswith(str(REPO_ROOT)) and cache.endswith("12345")
+    open(os.path.join(cache, "compiled.so"), "w").close()  # what inductor leaves there
+    remove_compile_caches()  # what the workers call in their finally (atexit does not run in forked workers)
+    assert not os.path.exists(cache)
 
 
 def test_still_working_speaks_at_once_and_then_every_few_seconds(capsys):
