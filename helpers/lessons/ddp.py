@@ -179,14 +179,22 @@ def fork_probe() -> dict[str, dict]:
     return found
 
 
-def torchrun_failure_reports() -> dict[str, str]:
+def torchrun_failure_reports(attempts: int = 3) -> dict[str, str]:
     """Run ddp_failure_report.py under torchrun on 2 processes, without and with --record, at the same time; return
-    what each printed (stdout and stderr)."""
+    what each printed (stdout and stderr).
+
+    Now and then the rank that raised dies of SIGABRT while Python tears down its gloo process group (rank 0 still
+    waiting): 1 pair in 5 on a busy 2-core machine here. torchrun's report then names the signal, not the error.
+    Then the pair runs again, up to `attempts` times in all, so that the lesson shows the report of a plain error."""
     from helpers.kit import WORKERS
 
     command = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                str(WORKERS / "ddp_failure_report.py")]
-    return _run_together({"without @record": command, "with @record": [*command, "--record"]}, timeout=240)
+    for _ in range(attempts):
+        outputs = _run_together({"without @record": command, "with @record": [*command, "--record"]}, timeout=240)
+        if not any("SIGABRT" in output for output in outputs.values()):
+            break
+    return outputs
 
 
 def failure_report(output: str) -> str:

@@ -104,3 +104,19 @@ def test_coloured_diff_folds_the_hunks_before_the_lines_that_matter():
     assert whole.count("<div") == folded.count("<div")  # every line of the diff is still there
     assert "DistributedSampler(train_set" in shown and "DDP(build_model" in shown and "def evaluate" in rest
     assert shown.count("<div") <= 45 and rest.startswith("<summary>the rest (")
+
+
+def test_failure_reports_run_again_when_the_raising_rank_dies_of_sigabrt(monkeypatch):
+    """torchrun_failure_reports runs the pair again when a report names SIGABRT (torch's teardown of a gloo group
+    killing the rank that raised), at most `attempts` times, and returns the first pair without it."""
+    from helpers.lessons import ddp
+
+    aborted = {"without @record": "exitcode  : -6 (pid: 1)  (SIGABRT)", "with @record": "exitcode  : 1"}
+    plain = {"without @record": "exitcode  : 1", "with @record": "exitcode  : 1"}
+    answers = [aborted, aborted, plain]
+    calls = []
+    monkeypatch.setattr(ddp, "_run_together", lambda commands, timeout: calls.append(commands) or answers.pop(0))
+    assert ddp.torchrun_failure_reports() == plain and len(calls) == 3
+    answers[:] = [aborted, aborted, aborted, plain]
+    calls.clear()
+    assert ddp.torchrun_failure_reports(attempts=2) == aborted and len(calls) == 2  # gives up, shows what it got
