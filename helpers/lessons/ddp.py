@@ -180,18 +180,22 @@ def fork_probe() -> dict[str, dict]:
 
 
 def torchrun_failure_reports(attempts: int = 3) -> dict[str, str]:
-    """Run ddp_failure_report.py under torchrun on 2 processes, without and with --record, at the same time; return
-    what each printed (stdout and stderr).
+    """Run ddp_failure_report.py under torchrun on 2 processes, without and then with --record, with this kernel's
+    launch server stopped first (both at once, six fresh interpreters beside the kernel and the server, took 2.9 GiB
+    on 6 December; one at a time beside the server 2.0 GiB); return what each printed (stdout and stderr).
 
     Now and then the rank that raised dies of SIGABRT while Python tears down its gloo process group (rank 0 still
     waiting): 1 pair in 5 on a busy 2-core machine here. torchrun's report then names the signal, not the error.
     Then the pair runs again, up to `attempts` times in all, so that the lesson shows the report of a plain error."""
     from helpers.kit import WORKERS
+    from helpers.launcher.api import stop_launch_server
 
+    stop_launch_server(before="torchrun's fresh interpreters")
     command = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                str(WORKERS / "ddp_failure_report.py")]
+    commands = {"without @record": command, "with @record": [*command, "--record"]}
     for _ in range(attempts):
-        outputs = _run_together({"without @record": command, "with @record": [*command, "--record"]}, timeout=240)
+        outputs = {name: _run_together({name: one}, timeout=240)[name] for name, one in commands.items()}
         if not any("SIGABRT" in output for output in outputs.values()):
             break
     return outputs

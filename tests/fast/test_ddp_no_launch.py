@@ -107,16 +107,23 @@ def test_coloured_diff_folds_the_hunks_before_the_lines_that_matter():
 
 
 def test_failure_reports_run_again_when_the_raising_rank_dies_of_sigabrt(monkeypatch):
-    """torchrun_failure_reports runs the pair again when a report names SIGABRT (torch's teardown of a gloo group
-    killing the rank that raised), at most `attempts` times, and returns the first pair without it."""
+    """torchrun_failure_reports runs the two launches one after the other, runs the pair again when a report names
+    SIGABRT (torch's teardown of a gloo group killing the rank that raised), at most `attempts` times, and returns the
+    first pair without it."""
     from helpers.lessons import ddp
 
     aborted = {"without @record": "exitcode  : -6 (pid: 1)  (SIGABRT)", "with @record": "exitcode  : 1"}
     plain = {"without @record": "exitcode  : 1", "with @record": "exitcode  : 1"}
-    answers = [aborted, aborted, plain]
-    calls = []
-    monkeypatch.setattr(ddp, "_run_together", lambda commands, timeout: calls.append(commands) or answers.pop(0))
-    assert ddp.torchrun_failure_reports() == plain and len(calls) == 3
-    answers[:] = [aborted, aborted, aborted, plain]
-    calls.clear()
-    assert ddp.torchrun_failure_reports(attempts=2) == aborted and len(calls) == 2  # gives up, shows what it got
+    pairs, calls = [], []
+
+    def one_at_a_time(commands, timeout):
+        assert len(commands) == 1  # never both launches at once
+        calls.append(*commands)
+        (name,) = commands
+        return {name: pairs[(len(calls) - 1) // 2][name]}
+
+    monkeypatch.setattr(ddp, "_run_together", one_at_a_time)
+    pairs[:] = [aborted, aborted, plain]
+    assert ddp.torchrun_failure_reports() == plain and len(calls) == 6
+    pairs[:], calls[:] = [aborted, aborted, aborted, plain], []
+    assert ddp.torchrun_failure_reports(attempts=2) == aborted and len(calls) == 4  # gives up, shows what it got
