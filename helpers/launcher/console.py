@@ -4,12 +4,25 @@ The lines come from the run folder (helpers/launcher/run_folder.py), complete, s
 """
 from __future__ import annotations
 
+import os
+import re
 import sys
 import time
 from typing import Any
 
+from helpers.kit import REPO_ROOT
+
 _COLOURS = ["\x1b[34m", "\x1b[32m", "\x1b[35m", "\x1b[36m", "\x1b[33m", "\x1b[94m", "\x1b[92m", "\x1b[95m"]
 _RED, _RESET = "\x1b[31m", "\x1b[0m"
+
+
+def short_frame(line: str) -> str:
+    """A traceback line a rank printed, with this machine's paths shortened as the launcher's own error shortens them
+    (diagnosis.clean_traceback): torch's files from ".../site-packages/", the repository's relative to its root."""
+    if 'File "' not in line:
+        return line
+    line = re.sub(r'"/[^"]*/site-packages/', '".../site-packages/', line)
+    return line.replace(f'"{REPO_ROOT}{os.sep}', '"')
 
 
 class Echo:
@@ -31,7 +44,7 @@ class Echo:
         room = self.limit - self.shown
         for rank, stream, line in lines[:room]:
             colour = _COLOURS[rank % len(_COLOURS)]
-            body = f"{_RED}{line}{_RESET}" if stream == "stderr" else line
+            body = f"{_RED}{short_frame(line)}{_RESET}" if stream == "stderr" else line
             print(f"{colour}[rank {rank}]{_RESET} {body}")
         self.shown += min(room, len(lines))
         if len(lines) > room:  # said once, when the first line is left out (not when the limit is merely reached)

@@ -178,3 +178,19 @@ def test_a_server_that_never_gets_ready_is_stopped_with_a_clear_error(monkeypatc
     assert time.monotonic() - started < 10
     leftover = [p for p in psutil.Process().children() if "time.sleep(60)" in " ".join(p.cmdline())]
     assert not leftover, caught.value
+
+
+def test_echo_shortens_the_paths_in_a_rank_s_traceback(capsys):
+    """A rank's traceback, echoed live, names the repository's files relative to its root and torch's from
+    site-packages, as the launcher's own error does; other lines and stdout are printed as they came."""
+    from helpers.kit import REPO_ROOT
+    from helpers.launcher.console import Echo
+
+    echo = Echo(True, "runs/x/rank<N>.log")
+    echo.show([(1, "stderr", f'  File "{REPO_ROOT}/helpers/workers/demo.py", line 3, in main'),
+               (1, "stderr", '  File "/opt/venv/lib/python3.11/site-packages/torch/_tensor.py", line 9, in backward'),
+               (0, "stdout", f"saved to {REPO_ROOT}/runs/x")])
+    out = capsys.readouterr().out
+    assert 'File "helpers/workers/demo.py", line 3' in out and str(REPO_ROOT) + "/helpers" not in out
+    assert 'File ".../site-packages/torch/_tensor.py", line 9' in out and "/opt/venv" not in out
+    assert f"saved to {REPO_ROOT}/runs/x" in out
