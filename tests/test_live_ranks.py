@@ -148,7 +148,7 @@ def test_stop_interrupts_a_python_wait_and_the_ranks_stay_usable(ranks):
     cell(ranks, "kept = rank + 7")
     sent = interrupt_when(live.LiveRanks.session, {0: "waiting", 1: "waiting"})
     with pytest.raises(CellInterrupted) as caught:
-        cell(ranks, "import time\nprint('waiting', flush=True)\ntime.sleep(60)")
+        cell(ranks, "import time\nprint('waiting', flush=True)\ntime.sleep(60)", "--timeout 90")  # not a hang
     elapsed = time.monotonic() - sent["sent"]
     stopped = caught.value
     assert isinstance(stopped, KeyboardInterrupt) and not stopped.stuck
@@ -174,7 +174,7 @@ def test_stop_during_a_collective_one_rank_never_joins_says_where_and_restart_br
                 dist.all_reduce(torch.ones(1))
             else:
                 print('not joining')
-        """)
+        """, "--timeout 90")  # if the interrupt never came: a failure, not a hang of the whole suite
     elapsed = time.monotonic() - sent["sent"]
     stopped = caught.value
     assert stopped.stuck == {0}
