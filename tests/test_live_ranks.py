@@ -68,7 +68,11 @@ class TimedStdout:
 
 def interrupt_when(session: live.LiveRanks, said: dict[int, str]) -> dict[str, float]:
     """From a thread: once each rank in `said` has printed its line (so each has reached the spot where it waits),
-    SIGINT this process, as ■ Stop does to a kernel. Returns {"sent": when} once sent."""
+    SIGINT this process, as ■ Stop does to a kernel. Returns {"sent": when} once sent.
+
+    SIGINT raises KeyboardInterrupt here, as in a kernel, even when pytest was started in the background by a shell
+    (`nohup ... &`), which leaves SIGINT ignored (test_launch.py does the same)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sent: dict[str, float] = {}
 
     def watch() -> None:
