@@ -66,3 +66,14 @@ def test_the_allowlist_names_only_cells_that_still_need_it():
                    and "".join(c["source"]).splitlines()[:1] == [first_line]]
         assert lengths and max(lengths) > MAX_CODE_LINES, (
             f"{name}: {first_line!r} (allowed {allowed} lines) is gone or at most {MAX_CODE_LINES} lines now; drop it")
+
+
+# What a student copy lacks or must not carry: the tests, the teachers' guide, the claim list, remarks about copies.
+NOT_IN_A_HAND_OUT = ("SEED-CLAIMS", "tests/test_", "tests/fast", "docs/facilitator", "in this copy")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_the_hand_out_names_nothing_a_student_copy_lacks(path):
+    text = path.read_text(encoding="utf-8")
+    found = [absent for absent in NOT_IN_A_HAND_OUT if absent in text]
+    assert not found, f"{path.name} mentions {found}"
