@@ -40,6 +40,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from helpers.kit.instruments import WrappedWork
+
 # ----------------------------------------------------------------------------------------- attention blocks
 
 
@@ -272,33 +274,21 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-class _HeldWork(dist.Work):
+class _HeldWork(WrappedWork):
     """The Work of a held irecv: wait() waits for the real receive, then copies what arrived into the caller's
     buffer (until then it holds NaN)."""
 
     def __init__(self, work: dist.Work, buffer: torch.Tensor, arrived: torch.Tensor, held: HeldReceives) -> None:
-        super().__init__()
-        self.work, self.buffer, self.arrived, self.held, self.delivered = work, buffer, arrived, held, False
+        super().__init__(work)
+        self.buffer, self.arrived, self.held, self.delivered = buffer, arrived, held, False
 
     def wait(self, timeout=None) -> bool:
-        done = self.work.wait() if timeout is None else self.work.wait(timeout)
+        done = super().wait(timeout)
         if not self.delivered:
             self.delivered = True
             with torch.no_grad():
                 self.buffer.copy_(self.arrived)
         return done
-
-    def is_completed(self) -> bool:
-        return self.work.is_completed()
-
-    def is_success(self) -> bool:
-        return self.work.is_success()
-
-    def exception(self):
-        return self.work.exception()
-
-    def result(self):
-        return self.work.result()
 
 
 class HeldReceives:

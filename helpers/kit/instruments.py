@@ -21,6 +21,31 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from helpers.kit.tensors import checksums, local_shard
 
 
+class WrappedWork(dist.Work):
+    """torch's Work of an async call, standing in for it: is_completed, is_success, exception and result ask the real
+    one; a subclass changes wait() (and what else it must). Ours: the checks that record or hold an async call's
+    result (lesson 09's CommLog, lesson 12's HeldReceives) hand this back instead of torch's Work."""
+
+    def __init__(self, work: dist.Work) -> None:
+        super().__init__()
+        self.work = work
+
+    def wait(self, timeout=None) -> bool:
+        return self.work.wait() if timeout is None else self.work.wait(timeout)
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+    def is_success(self) -> bool:
+        return self.work.is_success()
+
+    def exception(self):
+        return self.work.exception()
+
+    def result(self):
+        return self.work.result()
+
+
 class AllreduceCounter:
     """State for counting_allreduce_hook: how many all-reduces DDP launched (one per gradient bucket) and each
     bucket's number of elements.

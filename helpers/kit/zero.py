@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from helpers.kit.instruments import WrappedWork
 from helpers.kit.tensors import storage_bytes  # noqa: F401  (lesson 09's workers import it from here)
 
 STEPS, ACCUMULATE_STEP = 5, 3  # lesson 09's check: 5 optimizer steps; step 3 runs two backward passes before it
@@ -127,13 +128,13 @@ def is_call(event: dict) -> bool:
     return event["op"] not in ("mark", "wait")
 
 
-class _LoggedWork(dist.Work):
+class _LoggedWork(WrappedWork):
     """torch's Work of an async_op=True call, with the first wait() (or get_future()) recorded in the log; with
     hold_outputs, the result is copied into the call's output once the work is waited for."""
 
     def __init__(self, work: dist.Work, log: CommLog, call: int) -> None:
-        super().__init__()
-        self.work, self.log, self.call, self.waited = work, log, call, False
+        super().__init__(work)
+        self.log, self.call, self.waited = log, call, False
 
     def _note(self) -> None:
         if not self.waited:
@@ -148,7 +149,7 @@ class _LoggedWork(dist.Work):
 
     def wait(self, timeout=None) -> bool:
         self._note()
-        done = self.work.wait() if timeout is None else self.work.wait(timeout)
+        done = super().wait(timeout)
         self._deliver()
         return done
 
@@ -157,18 +158,6 @@ class _LoggedWork(dist.Work):
         if (id(self.log), self.call) not in _HELD:
             return self.work.get_future()
         return self.work.get_future().then(lambda future: (self._deliver(), future.value())[1])
-
-    def is_completed(self) -> bool:
-        return self.work.is_completed()
-
-    def is_success(self) -> bool:
-        return self.work.is_success()
-
-    def exception(self):
-        return self.work.exception()
-
-    def result(self):
-        return self.work.result()
 
 
 class CommLog:
