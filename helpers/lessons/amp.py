@@ -615,7 +615,14 @@ def check_amp_train_step(train_step: Callable, max_norm: float = 0.1) -> bool:
             found.append(f"{', '.join(dict.fromkeys(in_autocast))} ran inside the autocast block: wrap only the "
                          "forward pass and the loss (backward already runs each op in the dtype autocast chose for "
                          "its forward, and PyTorch's AMP docs advise against backward under autocast)")
-        if any(updates_before_step):
+        # optimizer.step() in place of scaler.step(optimizer): said before the weights' hints, and update() is not
+        # blamed for a step that never ran (updates_before_step is also true when scaler.step was never called)
+        if scale_calls and not step_calls:
+            found.append("scaler.step(optimizer) was never called: the weights were stepped with optimizer.step() or"
+                         " not at all (step with scaler.step(optimizer), which skips the step when the gradients"
+                         " overflowed)")
+        update_before_step = any(updates_before_step) and bool(step_calls)
+        if update_before_step:
             found.append("scaler.update() ran before scaler.step(optimizer): update() clears the record that "
                          "unscale_ had run, so scaler.step unscaled the (clipped) gradients a second time (call "
                          "scaler.step(optimizer), then scaler.update())")
@@ -635,7 +642,7 @@ def check_amp_train_step(train_step: Callable, max_norm: float = 0.1) -> bool:
                          " 2**60; with scaler.scale(loss) the gradients overflow and scaler.step(optimizer) skips"
                          " the step)")
         elif case == "a normal step" and not _same(model, ref_model):
-            if found and any(updates_before_step) and len(found) == 1:
+            if found and update_before_step and len(found) == 1:
                 pass  # the double unscale is the reason, and its hint says so
             elif found:  # no autocast, a wrong dtype or scale, or wrong clipping change the weights too
                 found.append("weights differ from the correct step (fix the other problems first: they change"

@@ -249,7 +249,10 @@ def _mutated_step(mutation):
         scaler.unscale_(optimizer)
         if mutation != "clip after step":
             nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        scaler.step(optimizer)
+        if mutation == "unscale_ then optimizer.step":  # raises nothing: unscale_ recorded the inf checks
+            optimizer.step()
+        else:
+            scaler.step(optimizer)
         if mutation == "clip after step":
             nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         scaler.update()
@@ -266,6 +269,15 @@ def test_check_turns_the_scalers_errors_into_hints(capsys) -> None:
     assert not check_amp_train_step(_mutated_step("plain backward"))
     out = capsys.readouterr().out
     assert out.startswith("Not yet") and "scaler.scale(loss).backward()" in out
+
+
+def test_check_names_optimizer_step_after_unscale_not_update_before_step(capsys) -> None:
+    """Review r0304-3 04-2: unscale_, clipping, optimizer.step(), scaler.update(): scaler.step never ran, so the
+    first hint must say so, and update() must not be blamed for running before a scaler.step that never came."""
+    assert not check_amp_train_step(_mutated_step("unscale_ then optimizer.step"))
+    out = capsys.readouterr().out
+    assert out.startswith("Not yet: scaler.step(optimizer) was never called"), out
+    assert "optimizer.step()" in out and "scaler.update() ran before" not in out, out
 
 
 def test_check_says_clipping_after_the_step_not_before_unscale(capsys) -> None:
