@@ -69,10 +69,14 @@ PADDED_COPY = ("model 'mlp': step 0, when backward ended: the shard of 2.weight 
                "view. That storage is exactly 2.weight flattened and padded to 2 x 1152 values: padded_flat(p, N)"
                ".chunk(N)[r] is a view of that whole padded copy")
 HELD = ("this check keeps the output of every async_op=True all-reduce, reduce-scatter and all-gather (list forms "
-        "included) at NaN until your code waits for it (on a real run that memory holds whatever it held before, or "
-        "part of the result, depending on timing)")
+        "included; any part that is also its input excepted) at NaN until your code waits for it (on a real run that "
+        "memory holds whatever it held before, or part of the result, depending on timing)")
 BUFFER = ("the class and the model held 17704 bytes in 6 tensor storage(s) that are none of the parameters, gradients, "
           "shards, shards' gradients or optimizer state (the largest, of shape ")
+GATHER_ONE = "        dist.all_gather_single(full, self.shards[p].detach())\n"
+IN_PLACE = ("        mine = full.chunk(self.world_size)[self.rank]  # in place: this rank's chunk is the input\n"
+            "        mine.copy_(self.shards[p].detach())\n"
+            "        work = dist.all_gather_single(full, mine, async_op=True)\n")
 ISSUE = "                work = dist.all_gather_single(full, self.shards[p].detach(), async_op=True)"
 NOT_ISSUED = ("unit 1's all-gather was not issued by the start of unit 0's forward. On a CPU backend this process "
               "computes unit 0 before its next hook runs")
@@ -517,6 +521,11 @@ class Zero1(Base):
         work.wait()
 '''), "model 'mlp': after step 0 the parameters hold NaN, though the shards equal DDP's updated values: " + HELD
            + ", so your class copied a gathered buffer into a parameter before waiting for its all-gather."),
+    "zero1: an in-place async all-gather, copied into the parameter before wait()": (
+        "zero1", mutated((GATHER_ONE, IN_PLACE), ("view_as(p))  # .data: autograd must not see this copy\n",
+                                                  "view_as(p))  # .data: autograd must not see this copy\n"
+                                                  "        work.wait()\n")),
+        "model 'mlp': after step 0 the parameters hold NaN, though the shards equal DDP's updated values: " + HELD),
 }
 
 RIGHT = {
@@ -532,6 +541,8 @@ RIGHT = {
                          ("        dist.all_gather_single(full, self.shards[p].detach())",
                           "        dist.all_gather(list(full.chunk(self.world_size)), self.shards[p].detach(), "
                           "async_op=True).wait()"))),
+    "zero1: an in-place all-gather with async_op=True, waited for before the copy": (
+        "zero1", mutated((GATHER_ONE, IN_PLACE + "        work.wait()\n"))),
     "zero3: the prefetched unit given its memory when its all-gather is issued (r09-2)": (
         "zero3", mutated((ISSUE, "                alloc_storage(p)  # memory at once, as FSDP2 allocates its output\n"
                                  + ISSUE))),

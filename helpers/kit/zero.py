@@ -20,7 +20,8 @@ and a log of the collectives a process issues.
   sets it while it trains the learner's class, never for torch's own runs), the output of such a call to an
   all-reduce, a reduce-scatter or an all-gather (the names in `_OUTPUT`: the list forms `all_gather` and
   `reduce_scatter` too, every tensor of the list) holds NaN from the moment the call returns until the work is first
-  waited for: the collective writes into a copy, which `wait()` copies in. Other collectives' outputs are not held
+  waited for, except any part that is also the call's input (an in-place all-gather's own chunk): the collective
+  writes into a copy, which `wait()` copies in. Other collectives' outputs are not held
   (lesson 09's check rejects a step that issues any of them before it reads a value). A class that reads an output
   before its wait() then reads NaN on every run, where on a real run it reads whatever that memory held, or part of
   the result, depending on timing. A call counts only if it goes through `torch.distributed.<name>`:
@@ -229,21 +230,24 @@ class CommLog:
 
     def _hold(self, call: int, signature: inspect.Signature, output: str, args, kwargs):
         """The arguments with the output (each tensor of an output list) replaced by a copy (the collective writes
-        there), the output set to NaN. Not done when another argument shares the output's memory (an in-place
-        all-gather reads its input there)."""
+        there), the output set to NaN, except where another argument shares its memory: an in-place all-gather reads
+        its input from its output's memory, so that part keeps its values (as it does on a real run)."""
         bound = signature.bind(*args, **kwargs)
         out = bound.arguments.get(output)
         outs = _tensors(out)
-        others = [t for name, value in bound.arguments.items() if name != output for t in _tensors(value)]
         if not outs or len(outs) != (len(out) if isinstance(out, (list, tuple)) else 1) or any(
-                not t.is_floating_point() for t in outs) or any(
-                t.untyped_storage().data_ptr() == o.untyped_storage().data_ptr() for t in others for o in outs):
+                not t.is_floating_point() for t in outs):
             return args, kwargs
+        inputs = [t for name, value in bound.arguments.items() if name != output for t in _tensors(value)
+                  if any(t.untyped_storage().data_ptr() == o.untyped_storage().data_ptr() for o in outs)]
+        kept = [(t, t.detach().clone()) for t in inputs]
         copies = [t.detach().clone() for t in outs]
         bound.arguments[output] = copies if isinstance(out, (list, tuple)) else copies[0]
         with torch.no_grad():
             for t in outs:
                 t.fill_(float("nan"))
+            for t, values in kept:  # an input inside the output's memory: the collective reads it
+                t.copy_(values)
         _HELD[(id(self), call)] = (outs, copies)
         return bound.args, bound.kwargs
 

@@ -17,13 +17,13 @@ class and the model (helpers.kit.zero.other_tensors), and any storage behind the
 more than they use (helpers.kit.zero.hidden_storage); and after every step how far its gradients (or gradient shards),
 shards and parameters are from DDP's. helpers/lessons/zero.py decides. Works with one process.
 
-While the class trains, the output of every async_op=True all-reduce, reduce-scatter or all-gather it issues (the
-list forms too) holds NaN until the class waits for it (CommLog.hold_outputs), so that a buffer read before its wait()
-reads NaN on every run, not a timing-dependent mix; the markers record a unit that starts with NaN in a parameter. A
-class whose values hold NaN on one model is not run on the next ones (the ranks agree on it): NaN says what is wrong,
-and the tied model would crash on it. A unit about to run with a freed parameter stops the launch with a sentence
-that names the unit and the parameter (StoppedByTheCheck), where torch would stop inside its own code with an
-out-of-bounds storage error.
+While the class trains, the output of every async_op=True all-reduce, reduce-scatter or all-gather it issues (the list
+forms too) holds NaN, except any part that is also its input, until the class waits for it (CommLog.hold_outputs), so
+that a buffer read before its wait() reads NaN on every run, not a timing-dependent mix; the markers record a unit
+that starts with NaN in a parameter. A class whose values hold NaN on one model is not run on the next ones (the ranks
+agree on it): NaN says what is wrong, and the tied model would crash on it. A unit about to run with a freed parameter
+stops the launch with a sentence that names the unit and the parameter (StoppedByTheCheck), where torch would stop
+inside its own code with an out-of-bounds storage error.
 """
 import argparse
 import functools
