@@ -478,9 +478,12 @@ def _values_problem(stage: str, model: dict, rank: int, world_size: int, cap_mb:
                     f"{row['shards']:.2g}, though the gradient shards were right: build the optimizer over the shards "
                     "in `shards`, so that its step updates them.")
         if stage != "bucketed" and row["params"] is not None and math.isnan(row["params"]):  # read before its wait
-            return (f"after step {step} the parameters hold NaN, though the shards equal DDP's updated values: {HELD}, "
-                    "so your class copied a gathered buffer into a parameter before waiting for its all-gather. Wait "
-                    "for the work first, then copy.")
+            head = f"after step {step} the parameters hold NaN, though the shards equal DDP's updated values"
+            if not asynchronous:
+                return (f"{head}, and none of this step's collectives was async: the NaN comes from memory read before "
+                        "anything was written into it (a torch.empty buffer).")
+            return (f"{head}: {HELD}, so your class copied a gathered buffer into a parameter before waiting for its "
+                    "all-gather. Wait for the work first, then copy.")
         if row["params"] is not None and not row["params"] <= TOLERANCE:  # catches updated shards not copied back
             return _params_message(stage, row, step, numels)
     if model["max_diff"] is None or not model["max_diff"] <= TOLERANCE:  # catches a stale shard, an update lost
