@@ -3,7 +3,8 @@ mistake) and right ones built differently (each must pass, or hear why the exerc
 
 m01..m15 and c01..c09 are the wrong and right-but-different classes of the December mutation test
 (../shared/reviews/2026-12-06-lesson09.md, part 2), rebuilt from its descriptions; W1..W4 and x1..x3 are the fresh
-reader's of 6 December (lesson 09, findings 09-2 to 09-5); the others are earlier readers' (LL-, NEW-, NF-) and the
+reader's of 6 December (lesson 09, findings 09-2 to 09-5); r09-2 marks the second reader's of that day (R1, R2); the
+others are earlier readers' (LL-, NEW-, NF-) and the
 lesson's own. Each class is a copy of helpers/workers/zero_solution.py with a few lines
 changed (`mutated`), or a subclass of the solution's class (`subclass`). WRONG and CRASHING map a name to (stage,
 source, the words its message must contain: one string, or a tuple of strings that must all be in it, where a
@@ -67,10 +68,16 @@ PADDED_COPY = ("model 'mlp': step 0, when backward ended: the shard of 2.weight 
                "bytes, of which your class's tensors use 4608: the other 4608 bytes are a copy kept alive behind the "
                "view. That storage is exactly 2.weight flattened and padded to 2 x 1152 values: padded_flat(p, N)"
                ".chunk(N)[r] is a view of that whole padded copy")
-HELD = ("this check keeps the output of every async_op=True collective at NaN until your code waits for it (on a real "
-        "run that memory holds whatever it held before, or part of the result, depending on timing)")
+HELD = ("this check keeps the output of every async_op=True all-reduce, reduce-scatter and all-gather (list forms "
+        "included; any part that is also its input excepted) at NaN until your code waits for it (on a real run that "
+        "memory holds whatever it held before, or part of the result, depending on timing)")
 BUFFER = ("the class and the model held 17704 bytes in 6 tensor storage(s) that are none of the parameters, gradients, "
           "shards, shards' gradients or optimizer state (the largest, of shape ")
+GATHER_ONE = "        dist.all_gather_single(full, self.shards[p].detach())\n"
+IN_PLACE = ("        mine = full.chunk(self.world_size)[self.rank]  # in place: this rank's chunk is the input\n"
+            "        mine.copy_(self.shards[p].detach())\n"
+            "        work = dist.all_gather_single(full, mine, async_op=True)\n")
+ISSUE = "                work = dist.all_gather_single(full, self.shards[p].detach(), async_op=True)"
 NOT_ISSUED = ("unit 1's all-gather was not issued by the start of unit 0's forward. On a CPU backend this process "
               "computes unit 0 before its next hook runs")
 
@@ -467,6 +474,58 @@ class Zero2(Base):
         "model 'mlp': after step 0's backward the gradient of 0.weight holds NaN: " + HELD + ", so NaN here means a "
         "buffer was read before its wait(): in finish_gradient_synchronization, wait() for a bucket's all-reduce "
         "before you divide and copy it."),
+    # the second reader's classes of 6 December (r09-2, findings R1 and R2)
+    "r09-2 zero3: every parameter kept gathered through backward, all freed when the last gradient is out": (
+        "zero3", subclass("zero3", '''
+class Zero3(Base):
+    def __init__(self, *args, **kwargs):
+        self.ready = 0
+        super().__init__(*args, **kwargs)
+
+    def _gradient_ready(self, p):
+        super(Base, self)._gradient_ready(p)  # Zero2's: reduce-scatter, p.grad = None; no free here
+        self.ready += 1
+        if self.ready == len(self.params):  # the step's last gradient: free every parameter now
+            self.ready = 0
+            for q in self.params:
+                free_storage(q)
+'''), "model 'mlp': step 0: when unit 0's backward started this rank held 17704 bytes of full parameters, more than "
+           "unit 0 needs (6336): the units after it have finished their backward, so free each parameter as soon as "
+           "its gradient is reduce-scattered"),
+    "r09-2 zero1: a list-form async reduce-scatter, its output read before wait()": ("zero1", subclass("zero1", '''
+class Zero1(Base):
+    def step(self):
+        works = []
+        for p in self.params:
+            shard = self.shards[p]
+            summed = torch.empty_like(shard)
+            work = dist.reduce_scatter(summed, list(padded_flat(p.grad, self.world_size).chunk(self.world_size)),
+                                       async_op=True)
+            shard.grad = summed / self.world_size if shard.grad is None else shard.grad + summed / self.world_size
+            works.append(work)
+        for work in works:
+            work.wait()
+        self.optimizer.step()
+        for p in self.params:
+            self._all_gather(p)
+'''), "model 'mlp': after step 0's backward the gradient shard of 0.weight holds NaN: " + HELD + ", so NaN here "
+           "means a buffer was read before its wait(): wait() for each reduce-scatter before you read its output."),
+    "r09-2 zero1: a list-form async all-gather, copied into the parameter before wait()": (
+        "zero1", subclass("zero1", '''
+class Zero1(Base):
+    def _all_gather(self, p):
+        shard = self.shards[p]
+        parts = [torch.empty_like(shard) for _ in range(self.world_size)]
+        work = dist.all_gather(parts, shard.detach(), async_op=True)
+        p.data.copy_(torch.cat(parts)[: p.numel()].view_as(p))
+        work.wait()
+'''), "model 'mlp': after step 0 the parameters hold NaN, though the shards equal DDP's updated values: " + HELD
+           + ", so your class copied a gathered buffer into a parameter before waiting for its all-gather."),
+    "zero1: an in-place async all-gather, copied into the parameter before wait()": (
+        "zero1", mutated((GATHER_ONE, IN_PLACE), ("view_as(p))  # .data: autograd must not see this copy\n",
+                                                  "view_as(p))  # .data: autograd must not see this copy\n"
+                                                  "        work.wait()\n")),
+        "model 'mlp': after step 0 the parameters hold NaN, though the shards equal DDP's updated values: " + HELD),
 }
 
 RIGHT = {
@@ -476,6 +535,17 @@ RIGHT = {
                                    ".chunk(self.world_size)))"),
                          ("        dist.all_gather_single(full, self.shards[p].detach())",
                           "        dist.all_gather(list(full.chunk(self.world_size)), self.shards[p].detach())"))),
+    "zero1: the list forms with async_op=True, each waited for before its output is read (r09-2)": (
+        "zero1", mutated((RS_LINE, "dist.reduce_scatter(summed, list(padded_flat(p.grad, self.world_size)"
+                                   ".chunk(self.world_size)), async_op=True).wait()"),
+                         ("        dist.all_gather_single(full, self.shards[p].detach())",
+                          "        dist.all_gather(list(full.chunk(self.world_size)), self.shards[p].detach(), "
+                          "async_op=True).wait()"))),
+    "zero1: an in-place all-gather with async_op=True, waited for before the copy": (
+        "zero1", mutated((GATHER_ONE, IN_PLACE + "        work.wait()\n"))),
+    "zero3: the prefetched unit given its memory when its all-gather is issued (r09-2)": (
+        "zero3", mutated((ISSUE, "                alloc_storage(p)  # memory at once, as FSDP2 allocates its output\n"
+                                 + ISSUE))),
     "c06 zero1: ReduceOp.AVG instead of a sum divided by N": (
         "zero1", mutated((RS_LINE, RS_LINE.replace("))", "), op=dist.ReduceOp.AVG)")),
                          (AVERAGE, "shard.grad = summed if shard.grad is None else shard.grad + summed"))),

@@ -17,11 +17,14 @@ and a log of the collectives a process issues.
   `_coalescing_manager` is a context manager, not a collective: the calls made inside it are recorded one by
   one. An `async_op=True` call hands back its work wrapped (a subclass of torch's `Work`), so that the log also
   records when it was first waited for (`wait()`, or `get_future()`). With `hold_outputs` set (lesson 09's check
-  sets it while it trains the learner's class, never for torch's own runs), such a call's output tensor holds NaN
-  from the moment the call returns until the work is first waited for: the collective writes into a copy, which
-  `wait()` copies in. A class that reads an output before its wait() then reads NaN on every run, where on a real
-  run it reads whatever that memory held, or part of the result, depending on timing. A call counts only if it goes
-  through `torch.distributed.<name>`:
+  sets it while it trains the learner's class, never for torch's own runs), the output of such a call to an
+  all-reduce, a reduce-scatter or an all-gather (the names in `_OUTPUT`: the list forms `all_gather` and
+  `reduce_scatter` too, every tensor of the list) holds NaN from the moment the call returns until the work is first
+  waited for, except any part that is also the call's input (an in-place all-gather's own chunk): the collective
+  writes into a copy, which `wait()` copies in. Other collectives' outputs are not held
+  (lesson 09's check rejects a step that issues any of them before it reads a value). A class that reads an output
+  before its wait() then reads NaN on every run, where on a real run it reads whatever that memory held, or part of
+  the result, depending on timing. A call counts only if it goes through `torch.distributed.<name>`:
   that is how the learner's classes, `ZeroRedundancyOptimizer` (dist.broadcast), DDP's constructor
   (dist._broadcast_coalesced, torch/distributed/utils.py:339), DDP's default comm hook (dist.all_reduce) and FSDP2
   (dist.all_gather_single, dist.reduce_scatter_single) call them in torch 2.14. Not seen: a method called on a
@@ -59,11 +62,13 @@ _FULL_TENSOR = {
     "all_gather": (0, "tensor_list"), "reduce_scatter": (1, "input_list"),
     "_all_gather_base": (0, "output_tensor"), "_reduce_scatter_base": (1, "input"),
 }
-# operation -> the argument an async call writes its result into: what hold_outputs keeps at NaN until the wait
+# operation -> the argument an async call writes its result into (a tensor, or all_gather's list of tensors): what
+# hold_outputs keeps at NaN until the wait
 _OUTPUT = {"all_reduce": "tensor", "all_gather_single": "output_tensor", "all_gather_into_tensor": "output_tensor",
-           "_all_gather_base": "output_tensor", "reduce_scatter_single": "output", "reduce_scatter_tensor": "output",
-           "_reduce_scatter_base": "output"}
-_HELD: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (log, call) -> (output, the copy written)
+           "_all_gather_base": "output_tensor", "all_gather": "tensor_list", "reduce_scatter_single": "output",
+           "reduce_scatter_tensor": "output", "_reduce_scatter_base": "output", "reduce_scatter": "output"}
+# (log, call) -> (the outputs, the copies the collective writes into)
+_HELD: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
 # private aliases, recorded under the public name they call (torch/distributed/distributed_c10d.py)
 _ALIASES = {"_all_gather_base": "all_gather_single", "_reduce_scatter_base": "reduce_scatter_single"}
 # the rest of torch.distributed's collectives and point-to-point calls: bytes of the first tensor (or list of them)
@@ -123,6 +128,13 @@ def _first_tensors(args, kwargs):
     return []
 
 
+def _tensors(value) -> list[torch.Tensor]:
+    """The tensors of an argument: the tensor itself, or those of a list or tuple."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    return [v for v in value if isinstance(v, torch.Tensor)] if isinstance(value, (list, tuple)) else []
+
+
 def is_call(event: dict) -> bool:
     """True for a recorded collective or point-to-point call; False for a marker or a wait."""
     return event["op"] not in ("mark", "wait")
@@ -145,7 +157,8 @@ class _LoggedWork(WrappedWork):
         held = _HELD.pop((id(self.log), self.call), None)
         if held is not None:
             with torch.no_grad():
-                held[0].copy_(held[1])
+                for output, copy in zip(*held, strict=True):
+                    output.copy_(copy)
 
     def wait(self, timeout=None) -> bool:
         self._note()
@@ -216,20 +229,26 @@ class CommLog:
         return recorded
 
     def _hold(self, call: int, signature: inspect.Signature, output: str, args, kwargs):
-        """The arguments with the output replaced by a copy (the collective writes there), the output set to NaN.
-        Not done when another argument shares the output's memory (an in-place all-gather reads its input there)."""
+        """The arguments with the output (each tensor of an output list) replaced by a copy (the collective writes
+        there), the output set to NaN, except where another argument shares its memory: an in-place all-gather reads
+        its input from its output's memory, so that part keeps its values (as it does on a real run)."""
         bound = signature.bind(*args, **kwargs)
         out = bound.arguments.get(output)
-        if not isinstance(out, torch.Tensor) or not out.is_floating_point() or any(
-                isinstance(value, torch.Tensor) and value is not out
-                and value.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
-                for value in bound.arguments.values()):
+        outs = _tensors(out)
+        if not outs or len(outs) != (len(out) if isinstance(out, (list, tuple)) else 1) or any(
+                not t.is_floating_point() for t in outs):
             return args, kwargs
-        copy = out.detach().clone()
-        bound.arguments[output] = copy
+        inputs = [t for name, value in bound.arguments.items() if name != output for t in _tensors(value)
+                  if any(t.untyped_storage().data_ptr() == o.untyped_storage().data_ptr() for o in outs)]
+        kept = [(t, t.detach().clone()) for t in inputs]
+        copies = [t.detach().clone() for t in outs]
+        bound.arguments[output] = copies if isinstance(out, (list, tuple)) else copies[0]
         with torch.no_grad():
-            out.fill_(float("nan"))
-        _HELD[(id(self), call)] = (out, copy)
+            for t in outs:
+                t.fill_(float("nan"))
+            for t, values in kept:  # an input inside the output's memory: the collective reads it
+                t.copy_(values)
+        _HELD[(id(self), call)] = (outs, copies)
         return bound.args, bound.kwargs
 
     def mark(self, label: str, **facts) -> None:

@@ -208,6 +208,30 @@ def _zero_plan_problem(stage: str, model: dict, world_size: int) -> str | None:
         if stage == "zero3" and events[end]["held"]:  # catches parameters freed in step(), not after the reduce
             return (f"step {step}: when backward ended this rank still held {events[end]['held']} bytes of full "
                     "parameters; free each parameter once its gradient is reduce-scattered (in the gradient hook).")
+        if stage == "zero3":  # catches parameters kept gathered through backward, freed only at its end
+            problem = _backward_held_problem(events, model["units"])
+            if problem:
+                return f"step {step}: {problem}"
+    return None
+
+
+def _backward_held_problem(events: list[dict], units: list[list[int]]) -> str | None:
+    """The bytes of full parameters held when unit i's backward starts (after the class's backward pre-hook): at most
+    unit i's and unit i-1's (the prefetched unit, which a class may give memory when it issues its all-gather). The
+    units after i ran their backward already, and their gradients went out: a class that frees each parameter in its
+    gradient hook holds none of them."""
+    full_bytes = [4 * sum(unit) for unit in units]
+    for event in events:
+        match = re.fullmatch(r"backward start (\d+)", event.get("label") or "")
+        if not match or "held" not in event:
+            continue
+        i = int(match[1])
+        allowed = full_bytes[i] + (full_bytes[i - 1] if i > 0 else 0)
+        if event["held"] > allowed:
+            need = f"units {i} and {i - 1} (the one prefetched) need" if i > 0 else f"unit {i} needs"
+            return (f"when unit {i}'s backward started this rank held {event['held']} bytes of full parameters, more "
+                    f"than {need} ({allowed}): the units after it have finished their backward, so free each "
+                    "parameter as soon as its gradient is reduce-scattered (in the gradient hook), not later.")
     return None
 
 
@@ -350,8 +374,9 @@ def _right(got: dict) -> bool:
     return got["diff"] is not None and got["diff"] <= TOLERANCE * max(1.0, got["scale"])
 
 
-HELD = ("this check keeps the output of every async_op=True collective at NaN until your code waits for it (on a real "
-        "run that memory holds whatever it held before, or part of the result, depending on timing)")
+HELD = ("this check keeps the output of every async_op=True all-reduce, reduce-scatter and all-gather (list forms "
+        "included; any part that is also its input excepted) at NaN until your code waits for it (on a real run that "
+        "memory holds whatever it held before, or part of the result, depending on timing)")
 
 
 def _scaled(got: dict, factor: float) -> bool:
@@ -452,6 +477,13 @@ def _values_problem(stage: str, model: dict, rank: int, world_size: int, cap_mb:
             return (f"after step {step}'s optimizer step the shards differ from DDP's updated parameters by up to "
                     f"{row['shards']:.2g}, though the gradient shards were right: build the optimizer over the shards "
                     "in `shards`, so that its step updates them.")
+        if stage != "bucketed" and row["params"] is not None and math.isnan(row["params"]):  # read before its wait
+            head = f"after step {step} the parameters hold NaN, though the shards equal DDP's updated values"
+            if not asynchronous:
+                return (f"{head}, and none of this step's collectives was async: the NaN comes from memory read before "
+                        "anything was written into it (a torch.empty buffer).")
+            return (f"{head}: {HELD}, so your class copied a gathered buffer into a parameter before waiting for its "
+                    "all-gather. Wait for the work first, then copy.")
         if row["params"] is not None and not row["params"] <= TOLERANCE:  # catches updated shards not copied back
             return _params_message(stage, row, step, numels)
     if model["max_diff"] is None or not model["max_diff"] <= TOLERANCE:  # catches a stale shard, an update lost
@@ -766,37 +798,39 @@ def ladder_table(results: dict) -> dict[str, list[float]]:
 
 def order_figure(checked: Checked | None, model: str = "mlp", step: int = 1) -> Any:
     """One step of the zero3 run on rank 0, in issue order: a bar per collective (height: bytes, numbered), a dashed
-    line per marker, and a triangle "w<n>" below the axis where the class first waited for call n."""
+    line per marker, each in its own slot, and a triangle "w<n>" below the axis where the class first waited for
+    call n (between the slots of what came before and after it)."""
     if not _passed(checked, "zero3"):
         return None
     import matplotlib.pyplot as plt
 
     events = checked.results[0]["models"][model]["impl"]["steps"][step]
-    fig, ax = plt.subplots(figsize=(10, 3.2), dpi=80, layout="constrained")
-    x, labels, number, waits = 0, {}, {}, []
+    fig, ax = plt.subplots(figsize=(10, 3.4), dpi=80, layout="constrained")
+    x, marks, number, waits, ticks = 0, [], {}, [], []
     for event in events:
-        if event["op"] == "mark":  # markers with no collective between them share one line
-            labels.setdefault(x, []).append(event["label"].replace("forward end ", "fwd end ")
-                                             .replace("forward start ", "fwd start ")
-                                             .replace("backward start ", "bwd start "))
-        elif event["op"] == "wait":
-            waits.append((x, number.get(event["id"])))
-        else:
-            number[event["id"]] = x + 1
-            ax.bar(x, event["bytes"], color="tab:blue" if event["op"].startswith("all_gather") else "tab:orange")
+        if event["op"] == "mark":  # a slot of its own: two markers with nothing between them stay apart
+            marks.append((x, event["label"].replace("forward ", "fwd ").replace("backward ", "bwd ")))
             x += 1
-    for at, names in labels.items():
-        ax.axvline(at - 0.5, color="k", lw=0.8, ls="--")
-        ax.text(at - 0.4, 0.97, "\n".join(names), va="top", fontsize=8, transform=ax.get_xaxis_transform())
-    grouped: dict[int, list[int]] = {}
+        elif event["op"] == "wait":
+            waits.append((x - 0.5, number.get(event["id"])))
+        else:
+            number[event["id"]] = len(ticks) + 1
+            ax.bar(x, event["bytes"], color="tab:blue" if event["op"].startswith("all_gather") else "tab:orange")
+            ticks.append(x)
+            x += 1
+    for at, name in marks:
+        ax.axvline(at, color="k", lw=0.8, ls="--")
+        ax.text(at + 0.15, 0.98, name, va="top", rotation=90, fontsize=7, transform=ax.get_xaxis_transform())
+    grouped: dict[float, list[int]] = {}
     for at, call in waits:
         grouped.setdefault(at, []).append(call)
     for at, calls in grouped.items():
-        ax.plot(at - 0.5, -0.17, marker="^", color="0.3", ms=6, clip_on=False, transform=ax.get_xaxis_transform())
-        ax.text(at - 0.5, -0.3, "w" + ",".join(map(str, calls)), ha="center", fontsize=8, color="0.3",
+        ax.plot(at, -0.17, marker="^", color="0.3", ms=6, clip_on=False, transform=ax.get_xaxis_transform())
+        ax.text(at, -0.3, "w" + ",".join(map(str, calls)), ha="center", fontsize=8, color="0.3",
                 transform=ax.get_xaxis_transform())
-    ax.set_xticks(range(x), [str(i + 1) for i in range(x)])
-    ax.set(ylabel="bytes (full tensor)", xlim=(-1, x + 1.5))
+    ax.set_xticks(ticks, [str(i + 1) for i in range(len(ticks))], fontsize=7)
+    top = max((e["bytes"] for e in events if is_call(e)), default=1)
+    ax.set(ylabel="bytes (full tensor)", xlim=(-1, x + 0.5), ylim=(0, 1.7 * top))  # room for the markers' names
     ax.set_title("collectives of one step, numbered in the order this rank issued them; ▲ w<n>: where it waited for "
                  "call n", fontsize=9, loc="left", pad=4)
     ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in ("tab:blue", "tab:orange")],

@@ -11,17 +11,19 @@ accumulation), with the class and with DDP (for zero3 also with FSDP2's fully_sh
 Each rank hands back, per class and model: the shards and parameter shapes right after the constructor; the
 collectives the constructor and each step issued, and when each async one was first waited for
 (helpers.kit.zero.CommLog); markers at the end of backward and at the start and end of each unit's forward and the
-start of its backward; the bytes its tensors hold; the other tensors reachable from the class and the model
-(helpers.kit.zero.other_tensors), and any storage behind the class's own tensors that holds more than they use
-(helpers.kit.zero.hidden_storage); and after every step how far its gradients (or gradient shards), shards and
-parameters are from DDP's. helpers/lessons/zero.py decides. Works with one process.
+start of its backward, with the bytes of full parameters held at the end of backward, at the end of each unit's
+forward and at the start of each unit's backward; the bytes its tensors hold; the other tensors reachable from the
+class and the model (helpers.kit.zero.other_tensors), and any storage behind the class's own tensors that holds
+more than they use (helpers.kit.zero.hidden_storage); and after every step how far its gradients (or gradient shards),
+shards and parameters are from DDP's. helpers/lessons/zero.py decides. Works with one process.
 
-While the class trains, the output of every async_op=True collective it issues holds NaN until the class waits for
-it (CommLog.hold_outputs), so that a buffer read before its wait() reads NaN on every run, not a timing-dependent
-mix; the markers record a unit that starts with NaN in a parameter. A class whose values hold NaN on one model is not
-run on the next ones (the ranks agree on it): NaN says what is wrong, and the tied model would crash on it. A unit
-about to run with a freed parameter stops the launch with a sentence that names the unit and the parameter
-(StoppedByTheCheck), where torch would stop inside its own code with an out-of-bounds storage error.
+While the class trains, the output of every async_op=True all-reduce, reduce-scatter or all-gather it issues (the list
+forms too) holds NaN, except any part that is also its input, until the class waits for it (CommLog.hold_outputs), so
+that a buffer read before its wait() reads NaN on every run, not a timing-dependent mix; the markers record a unit
+that starts with NaN in a parameter. A class whose values hold NaN on one model is not run on the next ones (the ranks
+agree on it): NaN says what is wrong, and the tied model would crash on it. A unit about to run with a freed parameter
+stops the launch with a sentence that names the unit and the parameter (StoppedByTheCheck), where torch would stop
+inside its own code with an out-of-bounds storage error.
 """
 import argparse
 import functools
@@ -105,8 +107,8 @@ def train(model, optimizer, width, device, rank, after_backward=None, mark_units
         unit.register_forward_pre_hook(lambda *_, i=i: log.mark(f"forward start {i}", **look(i, "forward")))
         unit.register_forward_hook(lambda *_, i=i: log.mark(f"forward end {i}",
                                                             held=storage_bytes(model.parameters())))
-        unit.register_full_backward_pre_hook(lambda *_, i=i: log.mark(f"backward start {i}",
-                                                                       **look(i, "backward")))
+        unit.register_full_backward_pre_hook(lambda *_, i=i: log.mark(f"backward start {i}", **look(i, "backward"),
+                                                                       held=storage_bytes(model.parameters())))
     record = {"steps": [], "grad_bytes": [], "param_bytes": [], "state_bytes": [], "other": []}
     parameters = list(model.parameters()) + list(getattr(optimizer, "shards", {}).values())
     local = getattr(optimizer, "optimizer", optimizer)

@@ -220,6 +220,17 @@ def test_a_held_output_is_nan_until_its_wait_and_then_holds_the_result():
         assert torch.isnan(total).all()
         work.get_future().wait()
         assert total.tolist() == [4.0]  # delivered through get_future() too
+        parts, summed = [torch.zeros(3)], torch.zeros(3)  # the list forms: each tensor of the list is held
+        works = [dist.all_gather(parts, shard, async_op=True), dist.reduce_scatter(summed, [shard], async_op=True)]
+        early = [parts[0].clone(), summed.clone()]
+        for work in works:
+            work.wait()
+        assert all(torch.isnan(t).all() for t in early) and parts[0].tolist() == summed.tolist() == [1.0, 2.0, 3.0]
+        own = shard.clone()  # in place: the output is the input here, so it keeps its values (the collective reads it)
+        work = dist.all_gather_single(own, own[:], async_op=True)
+        assert own.tolist() == [1.0, 2.0, 3.0]
+        work.wait()
+        assert own.tolist() == [1.0, 2.0, 3.0]
         blocking = torch.zeros(3)
         dist.all_gather_single(blocking, shard)  # not async: never held
         assert blocking.tolist() == [1.0, 2.0, 3.0]
@@ -227,7 +238,8 @@ def test_a_held_output_is_nan_until_its_wait_and_then_holds_the_result():
         free = torch.zeros(3)
         dist.all_gather_single(free, shard, async_op=True).wait()
         assert free.tolist() == [1.0, 2.0, 3.0] and [e["op"] for e in log.events if e["op"] != "wait"] == [
-            "all_gather_single", "all_reduce", "all_gather_single", "all_gather_single"]
+            "all_gather_single", "all_reduce", "all_gather", "reduce_scatter", "all_gather_single",
+            "all_gather_single", "all_gather_single"]
     finally:
         log.uninstall()
         dist.destroy_process_group()
