@@ -393,12 +393,29 @@ def test_step_time_analysis_refuses_a_fit_with_large_residuals_and_reads_increme
     on_the_line = step_time_analysis(made_up_rounds(steps, [1.0] * 7))
     assert on_the_line["fit_used"] and max(abs(r - 1) for r in on_the_line["ratios"]) < 1e-9
     assert on_the_line["verdicts"]["ddp"].faster == "step local"  # spreads 100-104 and 110-114 do not overlap
-    assert on_the_line["increments"]["ddp"] == pytest.approx({"median": 0.010, "low": 0.010, "high": 0.010})
+    ddp = on_the_line["increments"]["ddp"]
+    assert {k: ddp[k] for k in ("median", "low", "high")} == pytest.approx({"median": 0.01, "low": 0.01, "high": 0.01})
+    assert ddp["rounds"] == pytest.approx([0.010] * 5)
     # one slow round of fsdp_alone: the spreads overlap, and the protocol says so
     assert NOT_DISTINGUISHABLE in on_the_line["verdicts"]["fsdp_alone"].sentence
     noisy = step_time_analysis(made_up_rounds(steps, [1.0, 1.6, 0.7, 1.0, 1.0, 1.0, 1.0]))
     assert not noisy["fit_used"]  # residuals of 0.7-1.6: the fit may not predict
     assert any("is not a prediction here" in line for line in increment_report(noisy))
+
+
+def test_a_prediction_outside_every_paired_round_is_said_so_even_when_the_spreads_overlap():
+    """Lesson 11's FSDP2-alone increment: every round 88 ms or more above local, the model's 29 ms below them all,
+    and the two settings' spreads overlapping. The report said "cannot test"; it must say the rounds exclude it."""
+    steps = {"local": [100, 150, 102, 103, 104], "ddp": [110, 111, 112, 113, 114],
+             "fsdp_alone": [120, 160, 125, 130, 135], "fsdp": [120, 121, 122, 123, 124]}
+    a = step_time_analysis(made_up_rounds(steps, [1.0] * 7))  # predicted fsdp_alone increment: 5 - 4 = 1 ms
+    assert not a["verdicts"]["fsdp_alone"].distinguishable  # spreads 100-150 and 120-160 overlap
+    line = next(line for line in increment_report(a) if "1.0 ms" in line and "per round" in line)
+    assert "outside every round's increment" in line and "lies above it" in line and "1 time in 16" in line
+    steps["fsdp_alone"] = [120, 140, 101, 130, 135]  # one round 1 ms below local: the rounds straddle 1 ms
+    a = step_time_analysis(made_up_rounds(steps, [1.0] * 7))
+    line = next(line for line in increment_report(a) if "1.0 ms" in line and "per round" in line)
+    assert "which this run cannot test" in line and "outside" not in line
 
 
 def test_predicted_increments_are_differences_of_predicted_steps_optimizer_included():
