@@ -495,8 +495,21 @@ def _look_at(phase: str, op: str) -> str:
     return _LOOK_AT.get((phase, op), _LOOK_AT[phase])
 
 
+_TOLD_WHICH_WAY: set[tuple[str, str, str]] = set()  # (phase, op, part) whose miss this kernel heard "too low/high"
+
+
+def _which_way(phase: str, op: str, part: str, low: bool) -> str:
+    """'too low' or 'too high' the first time this kernel misses (phase, op, part); afterwards only 'still wrong', so
+    the direction cannot be followed edit by edit to the answer without reading the plan."""
+    if (phase, op, part) in _TOLD_WHICH_WAY:
+        return "still wrong (which way was said once; count it from the plan rather than by trial)"
+    _TOLD_WHICH_WAY.add((phase, op, part))
+    return f"too {'low' if low else 'high'}"
+
+
 def _where_it_differs(yours: dict[int, dict], torch_counts: dict[int, dict]) -> str | None:
-    """What is wrong with the learner's counts for 1, 2 and 3 blocks, in words, without torch's numbers."""
+    """What is wrong with the learner's counts for 1, 2 and 3 blocks, in words, without torch's numbers (which way a
+    count is off only the first time that count misses)."""
     for phase in ("forward", "backward"):
         ops = {op for b in yours for op in {**yours[b][phase], **torch_counts[b][phase]}}
         # a collective torch never ran in this phase is the first thing to hear about, then the others by name
@@ -515,11 +528,11 @@ def _where_it_differs(yours: dict[int, dict], torch_counts: dict[int, dict]) -> 
                         "block has the same layers.")
             slope, torch_slope = mine[1] - mine[0], real[1] - real[0]
             if slope != torch_slope:
-                return (f"per block, your {phase} count of {op} is too {'low' if slope < torch_slope else 'high'}. "
-                        f"To see why, {_look_at(phase, op)}")
-            return (f"per block your {phase} count of {op} is right, but the part outside the blocks is too "
-                    f"{'low' if mine[0] < real[0] else 'high'}: look at the embedding, the final norm and the "
-                    "output layer.")
+                return (f"per block, your {phase} count of {op} is "
+                        f"{_which_way(phase, op, 'per block', slope < torch_slope)}. To see why, {_look_at(phase, op)}")
+            return (f"per block your {phase} count of {op} is right, but the part outside the blocks is "
+                    f"{_which_way(phase, op, 'outside', mine[0] < real[0])}: look at the embedding, the final norm "
+                    "and the output layer.")
     return None
 
 

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from helpers.kit.timing import NOT_DISTINGUISHABLE, Timing
+from helpers.lessons import scale as scale_lesson
 from helpers.lessons.scale import (
     STAGES,
     check_tp_counts,
@@ -174,13 +175,29 @@ def changed(phase, **counts):
     (lambda b: {"all_gather": 6 * b + 3, "reduce_scatter": 6 * b + 2}, "should return {'forward'"),  # no phases
     (lambda b: 1 / 0, "raised ZeroDivisionError"),
 ])
-def test_tp_exercise_names_the_mistake_not_torchs_counts(wrong, message, capsys):
+def test_tp_exercise_names_the_mistake_not_torchs_counts(wrong, message, capsys, monkeypatch):
+    monkeypatch.setattr(scale_lesson, "_TOLD_WHICH_WAY", set())  # each mutant as a fresh kernel's first miss
     assert not check_tp_counts(wrong)
     out = capsys.readouterr().out.splitlines()[-1]
     assert out.startswith("Not yet: ") and message in out, out
     assert not re.search(r"'\w+': \d", out) or "should return" in out, out  # no count of torch's in the message
     if "per block" in message:  # a forward mistake hears about forward, a backward one about backward
         assert ("forward" in message) == ("walk one block's forward" in out), out
+
+
+def test_tp_exercise_says_which_way_a_count_is_off_only_once(capsys, monkeypatch):
+    """A learner who follows "too low" edit by edit reaches the answer without reading the plan (five counts, each a
+    slope of 0-4 and a constant of 0-3): the direction comes with a count's first miss only, in this kernel."""
+    monkeypatch.setattr(scale_lesson, "_TOLD_WHICH_WAY", set())
+    for attempt, slope in enumerate((2, 3, 5)):  # forward all-gathers per block: too low, still too low, too high
+        assert not check_tp_counts(changed("forward", all_gather=lambda b, s=slope: s * b + 2))
+        out = capsys.readouterr().out.splitlines()[-1]
+        assert "per block, your forward count of all_gather is" in out, out
+        assert ("too low" in out) == (attempt == 0) and "too high" not in out, out
+        assert ("still wrong" in out) == (attempt > 0), out
+    assert not check_tp_counts(changed("forward", all_gather=lambda b: 4 * b))  # another part: told once too
+    assert "outside the blocks is too low" in capsys.readouterr().out
+    assert check_tp_counts(solution)  # and the answer still passes
 
 
 @pytest.mark.parametrize("right", [
