@@ -232,10 +232,10 @@ class CommCounter(TorchDispatchMode):
 
     def _describe(self, op: str, args: tuple) -> dict[str, Any] | None:
         others = self.world_size - 1
-        if op in ("send", "recv_"):
+        if op in ("send", "recv_"):  # (tensors, group, the peer's rank in the group, tag)
             tensor = args[0][0]
             nbytes = _nbytes(tensor)
-            return {"op": op.rstrip("_"), "bytes": nbytes, "sent": nbytes if op == "send" else 0}
+            return {"op": op.rstrip("_"), "bytes": nbytes, "sent": nbytes if op == "send" else 0, "peer": args[2]}
         if op in ("all_to_all_single", "alltoall_base_"):
             if op == "all_to_all_single":  # (input, output_split_sizes, input_split_sizes, group)
                 tensor, in_splits = args[0], args[2]

@@ -149,3 +149,22 @@ def residual_ratios(measured: Iterable[float], predicted: Iterable[float]) -> li
 def fits_within(ratios: Iterable[float], tolerance: float = 0.25) -> bool:
     """Whether every residual ratio lies within 1 +- tolerance: a model is used to predict only where this holds."""
     return all(abs(ratio - 1) <= tolerance for ratio in ratios)
+
+
+def outside_every_round(increments: Iterable[float], predicted: float) -> str | None:
+    """A predicted increment against the increments measured round by round (setting - control, the two timed in the
+    same round): a clause when every round's increment lies on one side of the prediction, else None. The rounds can
+    show a prediction missing where the two settings' spreads overlap and `verdict` cannot tell them apart. If the
+    prediction were right, and each round's noise as likely to push its increment above it as below, all n rounds
+    would fall on one side 1 time in 2**(n - 1)."""
+    values = list(increments)
+    if len(values) < 5:
+        raise ValueError(f"at least 5 paired rounds are needed to judge a prediction, got {len(values)}")
+    if all(value > predicted for value in values):
+        side = "above"
+    elif all(value < predicted for value in values):
+        side = "below"
+    else:
+        return None
+    return (f"every one of the {len(values)} rounds' increments lies {side} it (were it right, with each round as "
+            f"likely above it as below, that happens 1 time in {2 ** (len(values) - 1)})")

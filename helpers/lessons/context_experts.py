@@ -20,7 +20,7 @@ import torch
 
 from helpers import LaunchTimeout, WorkerFailed, launch
 from helpers.kit import WORKERS
-from helpers.kit.context_experts import block_attention, layout
+from helpers.kit.context_experts import DIM, block_attention, layout
 from helpers.lessons.checks import correct, each_rank, explain_crash, not_yet
 
 # A float32 ring against one-process attention in float64 (the issue's bar), and against torch's own float32 ring.
@@ -350,11 +350,22 @@ def _gradient_problem(got: dict, causal: bool = False) -> str | None:
 
 
 def ring_design(per_rank: dict[int, dict]) -> str:
-    """What moved k and v in the learner's forward, from the calls our CommCounter saw: a ring of point-to-point
-    sends, an all-gather, or an all-to-all."""
+    """What moved k and v in the learner's forward, from the calls our CommCounter saw: point-to-point sends (a ring
+    when every rank sent to one peer and received from one), an all-gather, or an all-to-all. Only the calls: what a
+    rank holds at once is not seen here."""
     ops = {e["op"] for graded in per_rank.values() for got in graded.values() for e in got["forward"]["events"]}
     if "send" in ops:
-        return "a ring: k and v passed on with send/receive, each rank holding two blocks at a time"
+        peers = [{(e["op"], e.get("peer")) for e in got["forward"]["events"] if e["op"] in ("send", "recv")}
+                 for graded in per_rank.values() for got in graded.values()]
+        sent_to = max(len({peer for op, peer in seen if op == "send"}) for seen in peers)
+        taken_from = max(len({peer for op, peer in seen if op == "recv"}) for seen in peers)
+        if any(peer is None for seen in peers for _, peer in seen):
+            return "point-to-point: k and v passed on with send/receive"
+        if sent_to == taken_from == 1:
+            return ("a ring: k and v passed on with send/receive, each rank sending to one peer and receiving from "
+                    "one")
+        return (f"point-to-point, not a ring: a rank sent k and v to up to {sent_to} peers and received from up to "
+                f"{taken_from}")
     if "all_gather" in ops:
         return ("an all-gather, not a ring: every rank gathered every block of k and v and held all N at once "
                 "(it computes the same blocks; section 6 measures what holding them costs)")
@@ -468,12 +479,12 @@ def _moe_output_problem(got: dict) -> str | None:
                 "weight.")
     if "gate applied twice" in got["matches"]:
         return ("the output equals a layer that applies the router's weight twice: to the rows before the experts "
-                "and to their results again. Apply it once; this layer weights the experts' results (torchtitan's "
-                "score_before_experts=True weights the rows instead: a different layer).")
+                "and to their results again. Apply it once; this layer weights the experts' results (weighting "
+                "the rows instead, as torchtitan's since-removed score_before_experts=True did, is another layer).")
     if "gate before the experts" in got["matches"]:
         return ("the output equals a layer that weights the rows before the experts (torchtitan's "
-                "score_before_experts=True): a different layer, since an expert is not linear. This one weights the "
-                "experts' results.")
+                "score_before_experts=True, since removed): a different layer, since an expert is not linear. This "
+                "one weights the experts' results.")
     return f"the output differs from the one-process layer by up to {got['out']:.2g} (more than {TRUTH:g})."
 
 
@@ -747,7 +758,13 @@ def balance_report(run: Any) -> dict[str, Any]:
         control[kind] = verdict(first, other, kind="cpu")
     for kind, found in control.items():
         print(f"  {kind}: {found.sentence}")
-    return {"wall": wall, "control": control, "cpu": cpu}
+    idle = {kind: step[kind].median("wall") / max(cpu[rank][kind] for rank in cpu) for kind in control}
+    print(f"A step's median wall time against the busiest rank's median CPU time: "
+          f"contiguous {idle['contiguous']:.1f}x, "
+          f"balanced {idle['balanced']:.1f}x. The wall time beyond that rank's CPU time it spent not computing: "
+          "waiting for its peer, or for a free CPU. This run records neither the machine's load nor a quiet "
+          "machine's run, so it does not say which.")
+    return {"wall": wall, "control": control, "cpu": cpu, "wall_over_cpu": idle}
 
 
 def saved_by_attention(seqs: tuple[int, ...] = (256, 512, 1024, 2048), heads: int = 2,
@@ -859,36 +876,60 @@ def memory_figure(run: Any) -> Any:
     return fig
 
 
-def moe_traffic(checked: Checked | None, world_size: int = 2) -> list[dict[str, Any]]:
-    """Every all-to-all of one forward and backward of the MoE check run (no capacity), per rank: the bytes handed to it
-    and the bytes that left the rank (from its split sizes), beside the rows the routing sent."""
+def token_all_to_alls(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The all-to-alls among `events` (CommCounter's) that carried token rows: float32 rows of the layer's width
+    (DIM values), whatever else the layer called (its count exchange, by an all-to-all or another collective)."""
+    return [e for e in events if e["op"] == "all_to_all" and sum(e.get("splits") or [])
+            and e["bytes"] == sum(e["splits"]) * DIM * 4]
+
+
+def _token_calls(checked: Checked | None, world_size: int, need: int) -> dict[int, list[dict[str, Any]]] | None:
+    """Each rank's token all-to-alls in the forward of the MoE check run without a capacity, or None (with a line
+    saying why) when the check has not passed or a rank made fewer than `need` of them."""
     if not checked:
         print("(no results yet: the MoE check has not passed)")
+        return None
+    calls = {rank: token_all_to_alls(got["None"]["forward"]) for rank, got in checked.results[world_size].items()}
+    if min(len(c) for c in calls.values()) < need:
+        print(f"(your layer's forward made {min(len(c) for c in calls.values())} all-to-all(s) of token rows "
+              f"(float32 rows of {DIM} values) where this cell reads {need}: the rows went another way (an "
+              "all-gather?), so there are no split sizes to show)")
+        return None
+    return calls
+
+
+def moe_traffic(checked: Checked | None, world_size: int = 2) -> list[dict[str, Any]]:
+    """The all-to-alls of token rows in one forward and backward of the MoE check run (no capacity), per rank: the
+    bytes handed to each and the bytes that left the rank (from its split sizes). Other calls (the count exchange,
+    whichever collective made it) are named in one line."""
+    if not _token_calls(checked, world_size, need=1):
         return []
     rows = []
-    print(f"{world_size} ranks, capacity factor None, all-to-alls in call order: the bytes of the tensor given to the "
-          "call, and how many of them went to other ranks (the rest stays on this rank); splits: rows per rank")
+    print(f"{world_size} ranks, capacity factor None, all-to-alls of token rows ({DIM} float32 values each) in call "
+          "order: the bytes of the tensor given to the call, and how many of them went to other ranks (the rest stays "
+          "on this rank); splits: rows per rank")
     for rank, graded in sorted(checked.results[world_size].items()):
         got = graded["None"]
-        calls = [("forward", e) for e in got["forward"]] + [("backward", e) for e in got["backward"]]
+        calls = [("forward", e) for e in token_all_to_alls(got["forward"])] + [
+            ("backward", e) for e in token_all_to_alls(got.get("backward", []))]
+        others = [e for e in got["forward"] if e not in token_all_to_alls(got["forward"])]
         parts = [f"{phase} {e['bytes']} B given, {e['sent']} B to other ranks (splits {e['splits']})"
                  for phase, e in calls]
+        parts += ["other calls in the forward: " + ", ".join(f"{e['op']} of {e['bytes']} B" for e in others)] \
+            if others else []
         print(f"  rank {rank}: " + "\n          ".join(parts))
-        rows.append({"rank": rank, "calls": calls})
+        rows.append({"rank": rank, "calls": calls, "others": others})
     return rows
 
 
 def dispatch_figure(checked: Checked | None, world_size: int = 4) -> Any:
     """Rows sent from each rank to each rank by the dispatch all-to-all and back by the combine, from the run's split
     sizes (capacity factor None)."""
-    if not checked:
-        print("(no results yet: the MoE check has not passed)")
+    token_calls = _token_calls(checked, world_size, need=2)  # the dispatch, then the combine
+    if not token_calls:
         return None
     import matplotlib.pyplot as plt
 
-    per_rank = checked.results[world_size]
-    token_calls = {rank: [e for e in got["None"]["forward"] if e["op"] == "all_to_all"][1:] for rank, got in
-                   per_rank.items()}  # the first all-to-all carries the counts
     fig, axes = plt.subplots(1, 2, figsize=(8, 3.6), dpi=80, layout="constrained")
     for ax, index, title in zip(axes, (0, 1), ("dispatch: token rows to the experts' ranks",
                                                 "combine: results back to the tokens' ranks"), strict=True):
@@ -906,14 +947,16 @@ def dispatch_figure(checked: Checked | None, world_size: int = 4) -> Any:
 
 def routing_against_splits(checked: Checked | None, world_size: int = 2, trials: int = 20000) -> dict[str, Any]:
     """The dispatch all-to-all's split sizes in the MoE check run (capacity factor None) beside the rows the router
-    sends, computed here from the same router and tokens: rank r must send to rank d the (token, choice) pairs whose
-    expert lives on d, and the combine must send back what it received (the transposed matrix). Then how many rows
+    sends, computed here from the same router and tokens: a layer that sends one row per (token, choice) pair must
+    send from rank r to rank d the pairs whose expert lives on d (`per_choice`: every rank sent one row per pair; a
+    layer that sends a token once per rank sends fewer), and the combine must send back what the dispatch carried
+    (its matrix transposed, `back`). `rows_sent`: each rank's bytes to other ranks in the two. Then how many rows
     left each rank for the others, beside an even random router's spread (each token two different experts, all
     equally likely; `trials` draws in this process, seed 0): the middle 95 % of its counts."""
     from helpers.kit.context_experts import MOE_TOKENS, NUM_EXPERTS, TOP_K, build_moe, moe_tokens, route
 
-    if not checked:
-        print("(no results yet: the MoE check has not passed)")
+    calls = _token_calls(checked, world_size, need=2)  # the dispatch, then the combine
+    if not calls:
         return {}
     router, _ = build_moe()
     groups, _ = moe_tokens(world_size)
@@ -921,14 +964,18 @@ def routing_against_splits(checked: Checked | None, world_size: int = 2, trials:
     with torch.no_grad():
         owners = [route(x, router)[0] // local for x in groups]
     routed = [[int((owner == dest).sum()) for dest in range(world_size)] for owner in owners]
-    calls = {rank: [e for e in got["None"]["forward"] if e["op"] == "all_to_all"][1:]  # the first: the counts
-             for rank, got in checked.results[world_size].items()}
     dispatch = [calls[rank][0]["splits"] for rank in range(world_size)]
     combine = [calls[rank][1]["splits"] for rank in range(world_size)]
-    back = [[routed[source][rank] for source in range(world_size)] for rank in range(world_size)]
+    back = [[dispatch[source][rank] for source in range(world_size)] for rank in range(world_size)]  # retraced
     print(f"{world_size} ranks, rows from rank (row) to rank (column):\n  routed here, from the router: {routed}\n"
-          f"  dispatch split sizes in the run: {dispatch}\n  combine split sizes in the run: {combine} (routed, "
-          f"transposed: {back})")
+          f"  dispatch split sizes in the run: {dispatch}\n  combine split sizes in the run: {combine} (the "
+          f"dispatch's, transposed: {back})")
+    per_choice = all(sum(row) == MOE_TOKENS * TOP_K for row in dispatch)  # one row per (token, choice) pair
+    if not per_choice:
+        print(f"Your dispatch sent {[sum(row) for row in dispatch]} rows per rank, not one per (token, choice) pair "
+              f"({MOE_TOKENS * TOP_K}): another design (a token sent once to a rank that owns both its experts?), so "
+              "its split sizes need not equal the router's pairs.")
+    rows_sent = [sum(e["sent"] for e in calls[rank][:2]) for rank in range(world_size)]
     generator = torch.Generator().manual_seed(0)
     draws = torch.rand(trials, MOE_TOKENS, NUM_EXPERTS, generator=generator).argsort(dim=-1)[..., :TOP_K]
     remote_even = ((draws // local) != 0).sum(dim=(1, 2)).float()  # rank 0's view; every rank's is the same
@@ -940,7 +987,7 @@ def routing_against_splits(checked: Checked | None, world_size: int = 2, trials:
           + ("inside that spread, so 16 tokens cannot tell this router from an even one." if inside else
              "outside that spread: this router is uneven."))
     return {"routed": routed, "dispatch": dispatch, "combine": combine, "back": back, "remote": remote,
-            "even": (low, high), "inside": inside}
+            "even": (low, high), "inside": inside, "per_choice": per_choice, "rows_sent": rows_sent}
 
 
 def aux_loss_examples() -> dict[str, float]:

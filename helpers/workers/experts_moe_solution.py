@@ -5,8 +5,9 @@
 Every rank routes its own tokens (top-2), keeps what fits each expert's capacity, sends each kept (token, choice)
 to the rank that owns the expert (all-to-all, uneven: the counts are exchanged first), runs its own experts on what
 arrived, sends the results back (the reverse all-to-all) and adds them up, weighted by the router. After
-torchtitan's ExpertParallel (torchtitan/distributed/expert_parallel.py): counts by all_to_all_single, tokens by
-all_to_all_single_autograd, whose backward is the reverse all-to-all.
+torchtitan's AllToAllTokenDispatcher (torchtitan/models/common/token_dispatcher.py:228, commit b5bcd76): the counts by
+an all-to-all (line 450), the tokens out (465) and back (601), weighted after the experts (616-619); here the tokens go
+by all_to_all_single_autograd, whose backward is the reverse all-to-all.
 """
 import torch
 import torch.distributed as dist

@@ -220,13 +220,23 @@ def test_ring_design_and_crash_advice_name_what_they_saw():
     def seen(*ops):
         return {0: {"contiguous": {"forward": {"events": [{"op": op} for op in ops]}}}}
 
-    assert ring_design(seen("send", "recv")).startswith("a ring")
+    def peers(rank, *calls):  # (op, peer) pairs of one rank's forward, as CommCounter records them
+        return {"contiguous": {"forward": {"events": [{"op": op, "peer": peer} for op, peer in calls]}}}
+
+    ring = {rank: peers(rank, ("send", (rank + 1) % 4), ("recv", (rank - 1) % 4)) for rank in range(4)}
+    assert ring_design(ring).startswith("a ring")
+    assert "holding" not in ring_design(ring)  # the calls do not show what a rank holds
+    everyone = {rank: peers(rank, *[(op, peer) for peer in range(4) if peer != rank for op in ("send", "recv")])
+                for rank in range(4)}  # a gather by point-to-point: every block to every peer
+    assert ring_design(everyone).startswith("point-to-point, not a ring"), ring_design(everyone)
+    assert ring_design(seen("send", "recv")).startswith("point-to-point")  # events without peers
     assert ring_design(seen("all_gather", "reduce_scatter")).startswith("an all-gather, not a ring")
     assert ring_design(seen("all_to_all")).startswith("a rotation by all-to-all")
     from helpers.kit.context_experts import CommCounter  # c10d's list form (dist.all_gather) is an all-gather too
     x = torch.ones(4)
     event = CommCounter(0, 2)._describe("allgather_", ([[torch.empty(4), torch.empty(4)]], [x], None, True))
     assert event == {"op": "all_gather", "bytes": 16, "sent": 16, "group": 2}
+    assert CommCounter(0, 4)._describe("send", ([x], None, 3, 0))["peer"] == 3  # c10d::send(tensors, group, dst, tag)
     assert "exchange the counts first" in moe_crash_advice("... RuntimeError: [gloo] expected size 4 ...")
     assert "splits swapped" in moe_crash_advice("... RuntimeError: Split sizes doesn't match total dim 0 size")
     assert moe_crash_advice("... ValueError: something else") == "... ValueError: something else"
@@ -247,3 +257,65 @@ def test_the_lesson_keeps_its_main_line_short_and_its_citations_folded():
         assert cell["cell_type"] == "markdown" or len("".join(cell["source"]).splitlines()) <= 40
 
 
+
+
+def _moe_run(counts: str, once_per_rank: bool = False):
+    """A passed MoE check's results on 2 ranks as CommCounter records them, built from the lesson's router: the counts
+    exchanged by an all-to-all (the solution's way) or an all-gather (another correct design), then the token rows'
+    dispatch and combine. once_per_rank: a token whose two experts live on one rank travels there once."""
+    from helpers.kit.context_experts import DIM, MOE_TOKENS, NUM_EXPERTS, moe_tokens
+    from helpers.lessons.context_experts import Checked
+
+    router, _ = build_moe()
+    local = NUM_EXPERTS // 2
+    with torch.no_grad():
+        owners = [route(x, router)[0] // local for x in moe_tokens(2)[0]]
+    if once_per_rank:
+        routed = [[int((owner == dest).any(dim=1).sum()) for dest in range(2)] for owner in owners]
+    else:
+        routed = [[int((owner == dest).sum()) for dest in range(2)] for owner in owners]
+
+    def rows(splits, rank):
+        return {"op": "all_to_all", "bytes": sum(splits) * DIM * 4, "splits": splits,
+                "sent": sum(n for peer, n in enumerate(splits) if peer != rank) * DIM * 4}
+
+    results = {}
+    for rank in range(2):
+        count = ({"op": "all_to_all", "bytes": 32, "sent": 16, "splits": [2, 2]} if counts == "all_to_all" else
+                 {"op": "all_gather", "bytes": 32, "sent": 32, "group": 2})
+        way = [rows(routed[rank], rank), rows([routed[source][rank] for source in range(2)], rank)]
+        results[rank] = {"None": {"forward": [count, *way], "backward": way[::-1]}}
+    assert MOE_TOKENS == 16
+    return Checked(True, {2: results})
+
+
+@pytest.mark.parametrize("counts", ["all_to_all", "all_gather"])
+def test_the_moe_pictures_read_the_token_all_to_alls_whatever_exchanged_the_counts(counts, capsys):
+    """Cells 46, 48 and 49 of lesson 12 read any correct layer's run: the count exchange by another collective (an
+    all-gather, which has no split sizes) crashed them with KeyError and IndexError before they read only the
+    all-to-alls of token rows."""
+    import matplotlib.pyplot as plt
+
+    from helpers.lessons.context_experts import dispatch_figure, moe_traffic, routing_against_splits
+
+    run = _moe_run(counts)
+    traffic = moe_traffic(run, world_size=2)
+    assert [len(row["calls"]) for row in traffic] == [4, 4]  # dispatch and combine, forward and backward
+    assert f"other calls in the forward: {counts} of 32 B" in capsys.readouterr().out
+    routing = routing_against_splits(run, world_size=2, trials=200)
+    assert routing["dispatch"] == routing["routed"] and routing["combine"] == routing["back"]
+    assert routing["per_choice"] and len(routing["rows_sent"]) == 2
+    plt.close(dispatch_figure(run, world_size=2))
+
+
+def test_the_moe_pictures_name_a_layer_without_token_all_to_alls_or_with_one_row_per_rank(capsys):
+    from helpers.lessons.context_experts import Checked, dispatch_figure, moe_traffic, routing_against_splits
+
+    gathered = Checked(True, {2: {rank: {"None": {"forward": [{"op": "all_gather", "bytes": 512, "sent": 512,
+                                                                 "group": 2}], "backward": []}} for rank in range(2)}})
+    assert moe_traffic(gathered) == [] and dispatch_figure(gathered, world_size=2) is None
+    assert routing_against_splits(gathered) == {}
+    assert "no split sizes to show" in capsys.readouterr().out
+    routing = routing_against_splits(_moe_run("all_to_all", once_per_rank=True), trials=200)
+    assert not routing["per_choice"] and routing["combine"] == routing["back"]
+    assert "not one per (token, choice) pair" in capsys.readouterr().out

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from helpers.kit.timing import NOT_DISTINGUISHABLE, Timing
+from helpers.lessons import scale as scale_lesson
 from helpers.lessons.scale import (
     STAGES,
     check_tp_counts,
@@ -174,13 +175,29 @@ def changed(phase, **counts):
     (lambda b: {"all_gather": 6 * b + 3, "reduce_scatter": 6 * b + 2}, "should return {'forward'"),  # no phases
     (lambda b: 1 / 0, "raised ZeroDivisionError"),
 ])
-def test_tp_exercise_names_the_mistake_not_torchs_counts(wrong, message, capsys):
+def test_tp_exercise_names_the_mistake_not_torchs_counts(wrong, message, capsys, monkeypatch):
+    monkeypatch.setattr(scale_lesson, "_TOLD_WHICH_WAY", set())  # each mutant as a fresh kernel's first miss
     assert not check_tp_counts(wrong)
     out = capsys.readouterr().out.splitlines()[-1]
     assert out.startswith("Not yet: ") and message in out, out
     assert not re.search(r"'\w+': \d", out) or "should return" in out, out  # no count of torch's in the message
     if "per block" in message:  # a forward mistake hears about forward, a backward one about backward
         assert ("forward" in message) == ("walk one block's forward" in out), out
+
+
+def test_tp_exercise_says_which_way_a_count_is_off_only_once(capsys, monkeypatch):
+    """A learner who follows "too low" edit by edit reaches the answer without reading the plan (five counts, each a
+    slope of 0-4 and a constant of 0-3): the direction comes with a count's first miss only, in this kernel."""
+    monkeypatch.setattr(scale_lesson, "_TOLD_WHICH_WAY", set())
+    for attempt, slope in enumerate((2, 3, 5)):  # forward all-gathers per block: too low, still too low, too high
+        assert not check_tp_counts(changed("forward", all_gather=lambda b, s=slope: s * b + 2))
+        out = capsys.readouterr().out.splitlines()[-1]
+        assert "per block, your forward count of all_gather is" in out, out
+        assert ("too low" in out) == (attempt == 0) and "too high" not in out, out
+        assert ("still wrong" in out) == (attempt > 0), out
+    assert not check_tp_counts(changed("forward", all_gather=lambda b: 4 * b))  # another part: told once too
+    assert "outside the blocks is too low" in capsys.readouterr().out
+    assert check_tp_counts(solution)  # and the answer still passes
 
 
 @pytest.mark.parametrize("right", [
@@ -393,12 +410,29 @@ def test_step_time_analysis_refuses_a_fit_with_large_residuals_and_reads_increme
     on_the_line = step_time_analysis(made_up_rounds(steps, [1.0] * 7))
     assert on_the_line["fit_used"] and max(abs(r - 1) for r in on_the_line["ratios"]) < 1e-9
     assert on_the_line["verdicts"]["ddp"].faster == "step local"  # spreads 100-104 and 110-114 do not overlap
-    assert on_the_line["increments"]["ddp"] == pytest.approx({"median": 0.010, "low": 0.010, "high": 0.010})
+    ddp = on_the_line["increments"]["ddp"]
+    assert {k: ddp[k] for k in ("median", "low", "high")} == pytest.approx({"median": 0.01, "low": 0.01, "high": 0.01})
+    assert ddp["rounds"] == pytest.approx([0.010] * 5)
     # one slow round of fsdp_alone: the spreads overlap, and the protocol says so
     assert NOT_DISTINGUISHABLE in on_the_line["verdicts"]["fsdp_alone"].sentence
     noisy = step_time_analysis(made_up_rounds(steps, [1.0, 1.6, 0.7, 1.0, 1.0, 1.0, 1.0]))
     assert not noisy["fit_used"]  # residuals of 0.7-1.6: the fit may not predict
     assert any("is not a prediction here" in line for line in increment_report(noisy))
+
+
+def test_a_prediction_outside_every_paired_round_is_said_so_even_when_the_spreads_overlap():
+    """Lesson 11's FSDP2-alone increment: every round 88 ms or more above local, the model's 29 ms below them all,
+    and the two settings' spreads overlapping. The report said "cannot test"; it must say the rounds exclude it."""
+    steps = {"local": [100, 150, 102, 103, 104], "ddp": [110, 111, 112, 113, 114],
+             "fsdp_alone": [120, 160, 125, 130, 135], "fsdp": [120, 121, 122, 123, 124]}
+    a = step_time_analysis(made_up_rounds(steps, [1.0] * 7))  # predicted fsdp_alone increment: 5 - 4 = 1 ms
+    assert not a["verdicts"]["fsdp_alone"].distinguishable  # spreads 100-150 and 120-160 overlap
+    line = next(line for line in increment_report(a) if "1.0 ms" in line and "per round" in line)
+    assert "outside every round's increment" in line and "lies above it" in line and "1 time in 16" in line
+    steps["fsdp_alone"] = [120, 140, 101, 130, 135]  # one round 1 ms below local: the rounds straddle 1 ms
+    a = step_time_analysis(made_up_rounds(steps, [1.0] * 7))
+    line = next(line for line in increment_report(a) if "1.0 ms" in line and "per round" in line)
+    assert "which this run cannot test" in line and "outside" not in line
 
 
 def test_predicted_increments_are_differences_of_predicted_steps_optimizer_included():

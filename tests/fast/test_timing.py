@@ -11,6 +11,7 @@ from helpers.kit.timing import (
     Timing,
     across_ranks,
     fits_within,
+    outside_every_round,
     residual_ratios,
     take_turns,
     verdict,
@@ -101,3 +102,15 @@ def test_a_summary_shows_three_significant_figures_at_any_scale():
     """A 1 ms median with one 211 ms round must not read '1 ms (0-211)'."""
     assert Timing("x", [0.0012, 0.001, 0.211, 0.0011, 0.0013]).summary() == "1.20 ms (1.00-211)"
     assert Timing("y", [12.5, 13.0, 12.0, 12.2, 12.9]).summary(unit=1, suffix="s") == "12.5 s (12.0-13.0)"
+
+
+def test_a_prediction_is_outside_every_round_only_when_all_paired_increments_lie_on_one_side():
+    # lesson 11's stored run: FSDP2 alone over local, 88.5 to 579.6 ms per round, the model's 29.0 ms below them all
+    above = outside_every_round([0.0885, 0.35, 0.5796, 0.2, 0.4, 0.3, 0.36], 0.029)
+    assert above is not None and "lies above it" in above and "1 time in 64" in above
+    assert "lies below it" in outside_every_round([-0.01, -0.02, -0.03, -0.04, -0.05], 0.0)
+    assert outside_every_round([-0.16, 0.03, 0.23, 0.01, 0.02], 0.0077) is None  # the rounds straddle it
+    assert outside_every_round([0.01, 0.02, 0.03, 0.04, 0.05], 0.01) is None  # a round equal to it is not outside
+    with pytest.raises(ValueError, match="at least 5"):
+        outside_every_round([0.1, 0.2, 0.3], 0.0)
+
