@@ -118,6 +118,47 @@ def test_counter_check_names_the_learners_line_when_a_call_fails(tmp_path, capsy
     assert "AttributeError" in out and "'ad'" in out and "rank<N>.log" in out, out
 
 
+NO_RREF_MAIN = '''_counter = None
+
+
+def make() -> None:  # a module-level Counter on worker1: no RRef anywhere
+    global _counter
+    _counter = Counter()
+
+
+def call(method: str, *args):
+    return getattr(_counter, method)(*args)
+
+
+def main() -> None:
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size)
+    if rank == 0:
+        rpc.rpc_sync("worker1", make)
+        started = time.perf_counter()
+        futures = [rpc.rpc_async("worker1", call, args=("add", 1)) for _ in range(10)]
+        partial_counts = [future.wait() for future in futures]
+        seconds = time.perf_counter() - started
+        result(count=rpc.rpc_sync("worker1", call, args=("value",)),
+               owner=rpc.rpc_sync("worker1", call, args=("where",)), partial_counts=sorted(partial_counts),
+               seconds=seconds)
+    rpc.shutdown()
+'''
+
+
+def test_counter_check_requires_an_rref(tmp_path, capsys):
+    """Review r0506-2, 05-1: the Counter made on worker1 by a plain rpc_sync and reached through module functions;
+    owner, count and timing are all right, so only the RRef requirement can refuse it (it used to get "Correct")."""
+    start, end = SOLUTION.index("def main() -> None:"), SOLUTION.index('if __name__ == "__main__":')
+    path = tmp_path / "no_rref.py"
+    path.write_text(SOLUTION[:start] + NO_RREF_MAIN + "\n\n" + SOLUTION[end:])
+    assert not check_counter(str(path))
+    out = capsys.readouterr().out.splitlines()[-1]
+    assert out.startswith("Not yet: the counter lives on worker1, but no RRef holds it: create it with "), out
+    assert "rpc.remote(\"worker1\", Counter)" in out, out
+    assert "Lock" not in out and "one after another" not in out, out
+
+
 def test_counter_check_says_when_the_file_is_missing(tmp_path, capsys):
     assert not check_counter(tmp_path / "my_counter.py")
     assert "my_counter.py does not exist yet: run the %%writefile cell" in capsys.readouterr().out

@@ -199,7 +199,7 @@ def torchrun_in_a_terminal(script: str | Path, variants: dict[str, list[str]], n
                    *map(str, args)]
         expect = (f"about as long as the last one, {took:.1f} s" if took is not None else
                   f"{nproc + 1} fresh interpreters, torchrun's and {nproc} workers', each import torch before the "
-                  "first step: far slower than a launch forked from this kernel's launch server")
+                  "first step; appendix A0 times such a launch against one forked from a launch server")
         print(f"[{name}] $ {' '.join(command)}   ({expect})", flush=True)
         started = time.perf_counter()
         process = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *command[1:]], cwd=REPO_ROOT,

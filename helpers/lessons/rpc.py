@@ -54,6 +54,10 @@ def check_counter(script: str | Path, timeout: float = 60) -> bool:
         problems.append(f"the counter was created on {owner!r}: create it on worker1 with rpc.remote(\"worker1\", "
                         "Counter) and call its methods through the RRef (counter.rpc_sync().where() reports where "
                         "it lives)")
+    if owner == "worker1" and not _counter_made_by_remote(source):  # e.g. a module-level Counter made by rpc_sync
+        problems.append("the counter lives on worker1, but no RRef holds it: create it with rpc.remote(\"worker1\", "
+                        "Counter), which returns an RRef, and call its methods through the RRef "
+                        "(counter.rpc_async().add(1))")
     if "to_here()" in source:  # a copy's where() still says worker1: its constructor ran there
         problems.append("counter.to_here() copies the Counter to worker0: calls on the copy run there, not on "
                         "worker1 (the copy's where() still reports worker1, the name its constructor recorded); call "
@@ -92,6 +96,21 @@ def _sleeps_missing(source: str) -> bool:
              for method in cls.body if isinstance(method, ast.FunctionDef) and method.name == "add"
              for node in ast.walk(method) if isinstance(node, ast.Call)}
     return not {"time.sleep(0.1)", "time.sleep(0.01)"} <= calls
+
+
+def _counter_made_by_remote(source: str) -> bool:
+    """Whether the source calls remote(...) (rpc.remote or a bare `remote`) with Counter as the function, by position
+    or as func=: the call that returns an RRef to a Counter on its owner. A source that does not parse is left to
+    the launch to report."""
+    tree = _parsed(source)
+    if tree is None:
+        return True
+    for call in (node for node in ast.walk(tree) if isinstance(node, ast.Call)):
+        name = call.func.attr if isinstance(call.func, ast.Attribute) else getattr(call.func, "id", None)
+        functions = call.args[1:2] + [keyword.value for keyword in call.keywords if keyword.arg == "func"]
+        if name == "remote" and any(isinstance(f, ast.Name) and f.id == "Counter" for f in functions):
+            return True
+    return False
 
 
 def _parsed(source: str) -> ast.Module | None:

@@ -7,8 +7,13 @@ result(collectives=[...]): the operations torch's flight recorder logged on this
 them ("gloo:all_gather", "gloo:barrier"). The recorder is on by default (TORCH_FR_BUFFER_SIZE, 2000 entries) and
 outlives destroy_process_group; gloo logs its collectives there, not its send/recv. So helpers/lessons/collectives.py
 can refuse a collective however the script reached it (getattr included). Works with one process.
+
+It hides the GPUs first (CUDA_VISIBLE_DEVICES empty, before anything asks CUDA for its devices), so the learner's
+init_distributed() joins gloo with CPU tensors on every machine: separate isend/irecv calls can hang on nccl
+(lesson 01).
 """
 import json
+import os
 import runpy
 import sys
 from pathlib import Path
@@ -19,6 +24,7 @@ from helpers.kit.reporting import result
 
 
 def main() -> None:
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # gloo and the CPU on every machine (the docstring says why)
     script = Path(sys.argv[1]).resolve()
     sys.argv = [str(script), *sys.argv[2:]]
     sys.path.insert(0, str(script.parent))  # as `python FILE` would: the script's folder first

@@ -5,7 +5,8 @@
 Every rank posts a non-blocking send of its tensor to every other rank and a non-blocking receive
 from each of them, then waits for all of them. Blocking send/recv in a loop could deadlock: two
 ranks that both start with `send` would each wait for the other to receive.
-Any number of processes. Checked on gloo; on nccl, post them with dist.batch_isend_irecv (lesson 01).
+Any number of processes. It joins gloo on every machine, with CPU tensors: separate isend/irecv calls can hang on
+nccl, where the form is dist.batch_isend_irecv (lesson 01).
 """
 import torch
 import torch.distributed as dist
@@ -30,7 +31,7 @@ def all_gather_by_hand(tensor: torch.Tensor) -> list[torch.Tensor]:
 
 
 def main() -> None:
-    rank, _, device = init_distributed()
+    rank, _, device = init_distributed("gloo")  # gloo on every machine: see the docstring
     mine = torch.arange(3, dtype=torch.float32, device=device) + 10 * rank
     result(gathered=[piece.cpu().tolist() for piece in all_gather_by_hand(mine)])
     dist.destroy_process_group()

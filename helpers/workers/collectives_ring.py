@@ -9,7 +9,7 @@ around the ring. Each rank sends 2(N-1)/N of the tensor in total, whatever N is:
 Bytes are counted twice, where they are sent: at every isend call, and by the operating system
 (/proc/self/io on Linux), which also counts what dist.all_reduce itself writes. With nccl on GPUs the
 bytes travel over NVLink/PCIe/InfiniBand, not through write calls, so the OS count says nothing there.
-Any number of processes (one: nothing to send). Checked on gloo; on nccl, use dist.batch_isend_irecv (lesson 01).
+Any number of processes (one: nothing to send). gloo on every machine: isend/irecv can hang on nccl (lesson 01).
 """
 import argparse
 import time
@@ -79,7 +79,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--numel", type=int, default=1_000_003, help="elements (need not divide by N)")
     args = parser.parse_args()
-    rank, world_size, device = init_distributed()
+    rank, world_size, device = init_distributed("gloo")  # CPU tensors on every machine: see the docstring
 
     torch.manual_seed(rank)  # different random data on every rank
     data = torch.randn(args.numel, device=device)

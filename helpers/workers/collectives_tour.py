@@ -67,8 +67,8 @@ def main() -> None:
     tensor = starting_tensor(rank, length, device)
     received = tensor.clone()  # one process: its own left neighbour
     if world_size > 1:
-        requests = [dist.isend(tensor, dst=(rank + 1) % world_size),
-                    dist.irecv(received, src=(rank - 1) % world_size)]
+        # isend right, irecv left; on nccl as one batch_isend_irecv (ring_shift, below the main function)
+        requests = ring_shift(tensor, received, rank, world_size)
         for request in requests:
             request.wait()
     record("isend/irecv", tensor, received)
@@ -194,6 +194,15 @@ def main() -> None:
            integer_avg=integer_avg, ddp_fp16_gradient=ddp_gradient,
            backend=dist.get_backend(), subgroups=halves)
     dist.destroy_process_group()
+
+
+def ring_shift(tensor: torch.Tensor, received: torch.Tensor, rank: int, world_size: int) -> list:
+    """Send `tensor` to the right neighbour and receive the left one's into `received`; the requests to wait on. On
+    nccl the two go as one batch_isend_irecv: separate isend/irecv calls can hang there (lesson 01; not run here)."""
+    right, left = (rank + 1) % world_size, (rank - 1) % world_size
+    if dist.get_backend() == "nccl":
+        return dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, right), dist.P2POp(dist.irecv, received, left)])
+    return [dist.isend(tensor, dst=right), dist.irecv(received, src=left)]
 
 
 if __name__ == "__main__":

@@ -1,14 +1,21 @@
 """Who does torchrun say this process is? Then one all_reduce across every node (CPU: gloo; GPUs: nccl).
 
     torchrun --standalone --nproc-per-node 2 helpers/workers/whoami.py
-    # two "nodes" on one machine (run both commands, in two terminals):
-    torchrun --nnodes 2 --node-rank 0 --nproc-per-node 2 --rdzv-endpoint 127.0.0.1:29400 helpers/workers/whoami.py
-    torchrun --nnodes 2 --node-rank 1 --nproc-per-node 2 --rdzv-endpoint 127.0.0.1:29400 helpers/workers/whoami.py
+    # two "nodes" on one machine (run both commands, in two terminals; --gloo: see below):
+    torchrun --nnodes 2 --node-rank 0 --nproc-per-node 2 --rdzv-endpoint 127.0.0.1:29400 \
+        helpers/workers/whoami.py --gloo
+    torchrun --nnodes 2 --node-rank 1 --nproc-per-node 2 --rdzv-endpoint 127.0.0.1:29400 \
+        helpers/workers/whoami.py --gloo
     # on two machines, with HEAD = the first machine's address, run on each:
     torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint HEAD:29500 --rdzv-id job1 \
         helpers/workers/whoami.py
+
+--gloo: gloo and the CPU even where there are GPUs. Two "nodes" on one machine need it: each agent numbers its
+processes from LOCAL_RANK 0, so both nodes' first processes would take GPU 0, and NCCL refuses two ranks on one GPU
+(its "Duplicate GPU detected" error; not run here).
 """
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -21,7 +28,7 @@ NAMES = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "
 def main() -> None:
     me = {name: os.environ[name] for name in NAMES}
     print(" ".join(f"{name}={value}" for name, value in me.items() if name != "MASTER_PORT"))
-    use_gpu = torch.cuda.is_available()  # one GPU per process: LOCAL_RANK picks it
+    use_gpu = torch.cuda.is_available() and "--gloo" not in sys.argv[1:]  # one GPU per process: LOCAL_RANK picks it
     device = torch.device("cuda", int(me["LOCAL_RANK"])) if use_gpu else torch.device("cpu")
     if use_gpu:
         torch.cuda.set_device(device)

@@ -19,3 +19,20 @@ def test_the_counter_check_reads_whether_add_kept_its_sleeps():
     assert not _sleeps_missing(solution.replace("time.sleep(0.1)  # slow", "time.sleep( 0.1 )  # slow"))
     assert _sleeps_missing(solution.replace("            time.sleep(0.01)\n", ""))
     assert _sleeps_missing(solution.replace("        time.sleep(0.1)  # slow", "        pass  # slow"))
+
+
+def test_the_counter_check_reads_whether_an_rref_holds_the_counter():
+    """Review r0506-2, 05-1: a Counter made on worker1 by a plain rpc_sync and reached through module functions got
+    "Correct"; the check now reads the source for remote(..., Counter). Right but different: rpc.remote with
+    keywords, and a bare `remote` imported from torch.distributed.rpc."""
+    from helpers import WORKERS
+    from helpers.lessons.rpc import _counter_made_by_remote
+
+    solution = (WORKERS / "rpc_counter_solution.py").read_text()
+    made = 'rpc.remote(f"worker{1 % world_size}", Counter)'
+    assert made in solution and _counter_made_by_remote(solution)
+    assert _counter_made_by_remote(solution.replace(made, 'rpc.remote(to="worker1", func=Counter, args=())'))
+    assert _counter_made_by_remote(solution.replace(made, 'remote("worker1", Counter)'))
+    assert not _counter_made_by_remote(solution.replace(made, 'rpc.rpc_sync("worker1", make)'))
+    assert not _counter_made_by_remote(solution.replace(made, 'rpc.remote("worker1", make)'))
+    assert _counter_made_by_remote("def broken(:\n")  # left to the launch, which reports the SyntaxError
