@@ -456,8 +456,9 @@ def counts_figure(counts: dict[str, dict[str, Counter]]) -> Any:
                     label=phase)
         ax.set_yticks(range(len(keys)), [k.replace("_", " ") for k in keys], fontsize="small")
         ax.set(title=layout, xlabel="calls per step")
-    axes[0].legend(fontsize="small")
-    fig.tight_layout()
+    # one legend for all panels, under them, where it covers no bar
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=2, fontsize="small")
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     return fig
 
 
