@@ -204,7 +204,8 @@ def judge_plan(report: dict[str, Any]) -> bool:
         elif any(words in report["error"] for words in REFUSED):
             hint = (" Each style expects its input in a certain form, and leaves its output in one: follow x from"
                     " layer to layer and check that what one layer leaves is what the next one takes.")
-        return not_yet(f"torch refused the plan on 2 ranks: {report['error']}.{hint}")
+        where = f", in {report['layer']}'s forward" if report.get("layer") else ""
+        return not_yet(f"torch refused the plan on 2 ranks{where}: {report['error']}.{hint}")
     whole = [name for name in ("w1", "w3", "w2") if not report["weights"][name]["placements"]]
     if whole:
         return not_yet(f"{', '.join(whole)} {'is' if len(whole) == 1 else 'are'} whole on every rank (a plain "
