@@ -50,9 +50,9 @@ PLANS = {
     "starting code": ("PLAN = {}", "w1, w3, w2 are whole"),
     "no gate": ('PLAN = {"w1": ColwiseParallel(), "w2": RowwiseParallel()}', "element by element"),
     "gate row-wise": ('PLAN = {"w1": ColwiseParallel(), "w3": RowwiseParallel(), "w2": RowwiseParallel()}',
-                      "torch refused the plan"),
+                      "torch refused the plan on 2 ranks, in w3's forward"),  # the worker names the layer
     "all column-wise": ('PLAN = {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": ColwiseParallel()}',
-                        "torch refused the plan"),
+                        "torch refused the plan on 2 ranks, in w2's forward"),
     "gathered between": ('PLAN = {"w1": ColwiseParallel(output_layouts=Replicate()), "w3": ColwiseParallel('
                          'output_layouts=Replicate()), "w2": RowwiseParallel(input_layouts=Replicate())}',
                          "right numbers, but"),

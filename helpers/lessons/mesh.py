@@ -204,7 +204,8 @@ def judge_plan(report: dict[str, Any]) -> bool:
         elif any(words in report["error"] for words in REFUSED):
             hint = (" Each style expects its input in a certain form, and leaves its output in one: follow x from"
                     " layer to layer and check that what one layer leaves is what the next one takes.")
-        return not_yet(f"torch refused the plan on 2 ranks: {report['error']}.{hint}")
+        where = f", in {report['layer']}'s forward" if report.get("layer") else ""
+        return not_yet(f"torch refused the plan on 2 ranks{where}: {report['error']}.{hint}")
     whole = [name for name in ("w1", "w3", "w2") if not report["weights"][name]["placements"]]
     if whole:
         return not_yet(f"{', '.join(whole)} {'is' if len(whole) == 1 else 'are'} whole on every rank (a plain "
@@ -456,8 +457,9 @@ def counts_figure(counts: dict[str, dict[str, Counter]]) -> Any:
                     label=phase)
         ax.set_yticks(range(len(keys)), [k.replace("_", " ") for k in keys], fontsize="small")
         ax.set(title=layout, xlabel="calls per step")
-    axes[0].legend(fontsize="small")
-    fig.tight_layout()
+    # one legend for all panels, under them, where it covers no bar
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=2, fontsize="small")
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     return fig
 
 

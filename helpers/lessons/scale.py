@@ -536,6 +536,38 @@ def _where_it_differs(yours: dict[int, dict], torch_counts: dict[int, dict]) -> 
     return None
 
 
+# The functions of this module that run torch to count the exercise's collectives (the checker's answer key among
+# them): a tp_counts that calls one, or enters torch's CommDebugMode, has the counts made for it instead of derived.
+_COUNTERS = {"collective_counts", "tp_phase_counts", "_tp_phase_counts_cached", "tp_step_counts", "_fsdp_tp_with",
+             "simulated_world"}
+
+
+def _counter_called(call: Any) -> tuple[Any, str | None]:
+    """call() with a profiler watching: (its result, the name of the first counting function it called, or None).
+
+    Counting functions: this module's _COUNTERS, and anything in torch's CommDebugMode (debug/_comm_mode.py)."""
+    import sys
+
+    seen: list[str] = []
+    here = __file__
+
+    def watch(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and not seen:
+            code = frame.f_code
+            if code.co_filename == here and code.co_name in _COUNTERS:
+                seen.append(code.co_name)
+            elif code.co_filename.replace("\\", "/").endswith("torch/distributed/tensor/debug/_comm_mode.py"):
+                seen.append("torch's CommDebugMode")
+
+    before = sys.getprofile()
+    sys.setprofile(watch)
+    try:
+        result = call()
+    finally:
+        sys.setprofile(before)
+    return result, (seen[0] if seen else None)
+
+
 def check_tp_counts(tp_counts: Any) -> bool:
     """The exercise: `tp_counts(blocks)` -> {"forward": {...}, "backward": {...}}, the tp collectives of one training
     step of lesson 10's FSDP x TP layout with the plan without PrepareModuleInput (plan_without_prepare), checked
@@ -550,7 +582,12 @@ def check_tp_counts(tp_counts: Any) -> bool:
     yours, real = {}, {}
     for blocks in (1, 2, 3):
         try:
-            yours[blocks] = _counts_of(tp_counts(blocks))
+            answer, counter = _counter_called(functools.partial(tp_counts, blocks))
+            if counter:
+                return not_yet(f"tp_counts({blocks}) called {counter}, which runs torch and counts the collectives "
+                               "for you. Derive them instead: formulas in the number of blocks, from the plan, layer "
+                               "by layer.")
+            yours[blocks] = _counts_of(answer)
         except ValueError:
             return not_yet(f"tp_counts({blocks}) should return {{'forward': {{...}}, 'backward': {{...}}}}, each a "
                            "dict of collective names (all_reduce, all_gather, reduce_scatter) to counts.")
@@ -785,12 +822,12 @@ def planner_figure(billions: float = 7.5, dp: int = 64, tp: int = 1, pp: int = 1
                   reduce_every_microbatch=reduce_every_microbatch)
     shown = {dim: v for dim, v in chosen["traffic"].items() if dim in ("dp", "tp", "pp") or v}  # cp, ep when used
     sent = [v / GB for v in shown.values()]
-    middle.bar(list(shown), sent, color="tab:purple")
+    middle.bar(list(shown), sent, color="tab:gray")  # grey: not one of the memory panel's parts
     for x, value in enumerate(sent):
         middle.text(x, value, f"{value:.3g}", ha="center", va="bottom", fontsize="small")
     # plan's fixed shape (lesson 10's 2 blocks, 4096 tokens x 4096 hidden per micro-batch) whatever the model size:
     # tp traffic grows with blocks, so it is printed on the panel rather than implied by the parameter count.
-    middle.set(ylabel="GB sent per rank per step",
+    middle.set(xlabel="mesh dimension", ylabel="GB sent per rank per step",
                title=f"{stage}: traffic by mesh dimension\n(tp, pp at a fixed 2 blocks, 4096 x 4096 activations)",
                ylim=(0, 1.15 * max(max(sent), 1e-9)))
     m = list(range(1, 65))

@@ -43,9 +43,22 @@ def try_plan(plan: dict, mesh, block: transformer.GatedFeedForward, x: torch.Ten
     expected = plain(x_plain)
     expected.sum().backward()
     parallelize_module(block, mesh, plan)
+    running: list[str] = []  # the layers whose forward has begun and not ended: on an error, the last is where
+
+    def ended(module, args, output) -> None:  # returns None: the output stays as it is
+        running.pop()
+
+    for name in LAYERS:
+        layer = getattr(block, name)
+        layer.register_forward_pre_hook(lambda module, args, name=name: running.append(name) or None, prepend=True)
+        layer.register_forward_hook(ended)  # registered after the plan's own output hook, so it runs after it
     counts = {}
     with CommDebugMode() as forward:
-        y = block(x)
+        try:
+            y = block(x)
+        except Exception as error:
+            error.layer = running[-1] if running else None  # read by main()
+            raise
     with CommDebugMode() as backward:
         y.sum().backward()
     for phase, mode in (("forward", forward), ("backward", backward)):
@@ -83,7 +96,8 @@ def main() -> None:
         try:
             reports.append(try_plan(plan, mesh, block, x))
         except Exception as error:  # every rank fails the same way, before any collective it would wait in
-            reports.append({"error": f"{type(error).__name__}: {str(error).strip().splitlines()[-1]}"})
+            reports.append({"error": f"{type(error).__name__}: {str(error).strip().splitlines()[-1]}",
+                            "layer": getattr(error, "layer", None)})
     result(reports=reports)
     dist.destroy_process_group()
 

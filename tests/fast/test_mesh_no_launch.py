@@ -73,6 +73,9 @@ WHOLE = {"placements": [], "local_shape": [256, 64]}
 
 @pytest.mark.parametrize("changes, words", [
     ({"error": "RuntimeError: Sharding propagation failed for aten.mm.default"}, "follow x from layer to layer"),
+    # the worker names the layer whose forward was running when torch refused
+    ({"error": "RuntimeError: Sharding propagation failed for aten.mm.default", "layer": "w2"},
+     "on 2 ranks, in w2's forward: RuntimeError"),
     # w3 left out of the plan: its whole output meets w1's half in the product
     ({"error": "RuntimeError: The size of tensor a (128) must match the size of tensor b (256) at non-singleton "
                "dimension 2"}, "element by element"),

@@ -200,6 +200,26 @@ def test_tp_exercise_says_which_way_a_count_is_off_only_once(capsys, monkeypatch
     assert check_tp_counts(solution)  # and the answer still passes
 
 
+def counted_by_comm_debug_mode(blocks):
+    """The right numbers, with torch's CommDebugMode entered on the way: counting, not deriving."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    with CommDebugMode():
+        pass
+    return solution(blocks)
+
+
+@pytest.mark.parametrize("shortcut, called", [
+    (lambda b: scale_lesson.tp_phase_counts(b), "called tp_phase_counts"),  # the checker's answer key, one call
+    (counted_by_comm_debug_mode, "called torch's CommDebugMode"),
+])
+def test_tp_exercise_refuses_counts_torch_made(shortcut, called, capsys):
+    """The lesson's own counting functions are in the hand-out: calling one passes no formula of the learner's."""
+    assert not check_tp_counts(shortcut)
+    out = capsys.readouterr().out.splitlines()[-1]
+    assert out.startswith("Not yet: tp_counts(1) ") and called in out and "Derive them" in out, out
+
+
 @pytest.mark.parametrize("right", [
     solution,
     # right but written otherwise: zero counts listed, float counts, other key order
