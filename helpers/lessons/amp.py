@@ -611,8 +611,11 @@ def check_amp_train_step(train_step: Callable, max_norm: float = 0.1) -> bool:
         scale_wrong = scaler.get_scale() != ref_scaler.get_scale()
         # in another dtype the overflowing batch need not overflow: the scale and the skip are checked in fp16 only
         if scale_wrong and not wrong_dtype:
-            found.append(f"the scale is {scaler.get_scale():g}, expected {ref_scaler.get_scale():g} (scale the"
-                         " loss with scaler.scale(loss), and call scaler.update() once per step)")
+            got, expected = scaler.get_scale(), ref_scaler.get_scale()
+            halved = (": after an overflow scaler.update() halves the scale, and here it was not halved" if
+                      got == 2 * expected else "")
+            found.append(f"the scale is {got:g}, expected {expected:g}{halved} (scale the loss with"
+                         " scaler.scale(loss), and call scaler.update() once per step, after scaler.step(optimizer))")
         if any(backward_in_autocast):
             in_autocast.insert(0, "backward")
         if in_autocast:

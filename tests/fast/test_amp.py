@@ -386,3 +386,21 @@ def test_check_names_a_typo_and_its_line_instead_of_a_traceback(capsys) -> None:
     # GradScaler's own errors still become hints, not "raised" (the scaler's checks keep their meaning)
     assert not check_amp_train_step(_mutated_step("optimizer.step"))
     assert " raised " not in capsys.readouterr().out
+
+
+def test_check_says_the_scale_was_not_halved_without_update(capsys) -> None:
+    """Walkthrough w0304: without scaler.update() the hint gave two bare numbers; it now says what update() does."""
+    def step(model, optimizer, scaler, images, labels, max_norm):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.cross_entropy(model(images), labels)
+        optimizer.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        scaler.step(optimizer)
+        return loss.item()
+
+    assert not check_amp_train_step(step)
+    out = capsys.readouterr().out
+    assert out.startswith("Not yet: the scale is") and "it was not halved" in out, out
+    assert "(in an overflowing step)" in out and "in a normal step" not in out, out
