@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from helpers.lessons.checks import correct, not_yet
+from helpers.lessons.checks import correct, not_yet, your_line
 from helpers.lessons.plots import FIGSIZE
 
 FORMATS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -531,7 +531,8 @@ def check_amp_train_step(train_step: Callable, max_norm: float = 0.1) -> bool:
     wrapped to record whether the scaler had unscaled this optimizer's gradients yet (GradScaler's per-optimizer
     stage, OptState.UNSCALED, set by unscale_ at torch/amp/grad_scaler.py:361, or whether scaler.step had run);
     scaler.scale and scaler.step are wrapped to count their calls. GradScaler's own errors for a step in the wrong
-    order (optimizer.step() then scaler.update(); backward without scaler.scale) become "Not yet" hints."""
+    order (optimizer.step() then scaler.update(); backward without scaler.scale) become "Not yet" hints; any other
+    error the learner's step raises (a typo) becomes a "Not yet" that names it and the learner's line."""
     from torch.amp.grad_scaler import OptState
     from torch.nn import utils as nn_utils
     from torch.nn.utils import clip_grad
@@ -586,10 +587,13 @@ def check_amp_train_step(train_step: Callable, max_norm: float = 0.1) -> bool:
         clip_grad._clip_grads_with_norm_ = nn_utils.clip_grads_with_norm_ = recording_clip
         try:
             train_step(model, optimizer, scaler, images, labels, max_norm)
-        except (AssertionError, RuntimeError) as error:  # GradScaler's own checks (torch/amp/grad_scaler.py)
+        except Exception as error:  # GradScaler's own checks (torch/amp/grad_scaler.py), or the learner's typo
             hint = next((h for text, h in _SCALER_ERRORS if text in str(error)), None)
-            if hint is None:
-                raise
+            if hint is None:  # not a step in the wrong order: name the error and the learner's line
+                first = (str(error).splitlines() or [""])[0]
+                name = getattr(train_step, "__name__", "your step")
+                return not_yet(f"{name} raised {type(error).__name__}: {first}{your_line(train_step, error)} "
+                               f"(in {case}; the check stopped there)")
             problems.setdefault(hint, []).append(case)
             continue
         finally:
@@ -607,8 +611,11 @@ def check_amp_train_step(train_step: Callable, max_norm: float = 0.1) -> bool:
         scale_wrong = scaler.get_scale() != ref_scaler.get_scale()
         # in another dtype the overflowing batch need not overflow: the scale and the skip are checked in fp16 only
         if scale_wrong and not wrong_dtype:
-            found.append(f"the scale is {scaler.get_scale():g}, expected {ref_scaler.get_scale():g} (scale the"
-                         " loss with scaler.scale(loss), and call scaler.update() once per step)")
+            got, expected = scaler.get_scale(), ref_scaler.get_scale()
+            halved = (": after an overflow scaler.update() halves the scale, and here it was not halved" if
+                      got == 2 * expected else "")
+            found.append(f"the scale is {got:g}, expected {expected:g}{halved} (scale the loss with"
+                         " scaler.scale(loss), and call scaler.update() once per step, after scaler.step(optimizer))")
         if any(backward_in_autocast):
             in_autocast.insert(0, "backward")
         if in_autocast:

@@ -5,6 +5,9 @@ saying exactly what is still wrong. A check must say "Not yet" on the untouched 
 """
 from __future__ import annotations
 
+import traceback
+from collections.abc import Callable
+
 
 def correct(message: str) -> bool:
     """Print "Correct: message" and return True."""
@@ -52,3 +55,15 @@ def explain_crash(error: BaseException, what: str = "the check") -> str:
 def not_yet_crashed(error: BaseException, what: str = "the check") -> bool:
     """`not_yet` with explain_crash's paragraph: the one message every exercise check prints when a launch fails."""
     return not_yet(explain_crash(error, what))
+
+
+def your_line(function: Callable, error: BaseException) -> str:
+    """' (line N of your function: text)': the last line of the learner's `function` that `error` passed through,
+    counted from its `def`, or '' when none did. For a check that calls the learner's function in the kernel."""
+    code = getattr(function, "__code__", None)
+    frames = [frame for frame in traceback.extract_tb(error.__traceback__)
+              if code is not None and frame.filename == code.co_filename and frame.lineno >= code.co_firstlineno]
+    if not frames:
+        return ""
+    text = f": {frames[-1].line}" if frames[-1].line else ""
+    return f" (line {frames[-1].lineno - code.co_firstlineno + 1} of your {function.__name__}{text})"

@@ -10,7 +10,6 @@ helpers/kit/instruments.py.
 from __future__ import annotations
 
 import math
-import traceback
 from collections.abc import Callable, Sequence
 
 import torch
@@ -19,7 +18,7 @@ from torch import nn
 from helpers.kit.dp_vs_ddp import NaiveDataParallel
 from helpers.kit.models import SimpleModel, mlp
 from helpers.kit.tensors import own_bytes
-from helpers.lessons.checks import correct, not_yet
+from helpers.lessons.checks import correct, not_yet, your_line
 
 
 def single_device_gradients(module: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
@@ -62,18 +61,6 @@ def _same(answer: float, value: float) -> bool:
     return math.isclose(answer, value, rel_tol=1e-9, abs_tol=1.0)  # a rounded int matches a formula's float
 
 
-def _where(function: Callable, error: BaseException) -> str:
-    """ ' (line N of your function)': the last line of `function` that the error passed through, counted from its
-    `def`, or '' when none did."""
-    code = getattr(function, "__code__", None)
-    frames = [frame for frame in traceback.extract_tb(error.__traceback__)
-              if code is not None and frame.filename == code.co_filename and frame.lineno >= code.co_firstlineno]
-    if not frames:
-        return ""
-    text = f": {frames[-1].line}" if frames[-1].line else ""
-    return f" (line {frames[-1].lineno - code.co_firstlineno + 1} of your {function.__name__}{text})"
-
-
 def check_traffic(traffic: Callable[[int, int], int]) -> bool:
     """The exercise's check: does traffic(parameter_bytes, num_devices) give the bytes DP moves per iteration?
 
@@ -94,7 +81,7 @@ def check_traffic(traffic: Callable[[int, int], int]) -> bool:
             return not_yet("traffic still raises NotImplementedError. Write its body.")
         except Exception as error:  # a learner's function may raise anything: name it, and the line
             return not_yet(f"traffic({parameter_bytes:,}, {num_devices}) raised {type(error).__name__}: {error}"
-                           f"{_where(traffic, error)}")
+                           f"{your_line(traffic, error)}")
         try:
             answers.append(float(answer))
         except (TypeError, ValueError):

@@ -352,3 +352,55 @@ def test_check_refuses_backward_and_step_inside_autocast(capsys) -> None:
     assert not check_amp_train_step(step)
     out = capsys.readouterr().out
     assert out.startswith("Not yet") and "backward, the clipping, scaler.step ran inside the autocast block" in out, out
+
+
+def test_check_names_a_typo_and_its_line_instead_of_a_traceback(capsys) -> None:
+    """Walkthrough w0304: a typo in the learner's step (scaler.unscale for unscale_, a misspelt name) gets a
+    "Not yet" naming the error and the learner's line, as lesson 03's check does, not a raw traceback."""
+    def my_train_step(model, optimizer, scaler, images, labels, max_norm):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.cross_entropy(model(images), labels)
+        optimizer.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.unscale(optimizer)
+        nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        scaler.step(optimizer)
+        scaler.update()
+        return loss.item()
+
+    assert not check_amp_train_step(my_train_step)
+    out = capsys.readouterr().out
+    assert out.startswith("Not yet: my_train_step raised AttributeError:") and "'unscale'" in out, out
+    assert "(line 6 of your my_train_step: scaler.unscale(optimizer))" in out, out
+
+    def misspelt(model, optimizer, scaler, images, labels, max_norm):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.cross_entropy(model(images), labels)
+        scaler.scale(los).backward()  # noqa: F821 (the typo under test)
+        return loss.item()
+
+    assert not check_amp_train_step(misspelt)
+    out = capsys.readouterr().out
+    assert out.startswith("Not yet: misspelt raised NameError:"), out
+    assert "line 4 of your misspelt: scaler.scale(los).backward()" in out, out
+    # GradScaler's own errors still become hints, not "raised" (the scaler's checks keep their meaning)
+    assert not check_amp_train_step(_mutated_step("optimizer.step"))
+    assert " raised " not in capsys.readouterr().out
+
+
+def test_check_says_the_scale_was_not_halved_without_update(capsys) -> None:
+    """Walkthrough w0304: without scaler.update() the hint gave two bare numbers; it now says what update() does."""
+    def step(model, optimizer, scaler, images, labels, max_norm):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.cross_entropy(model(images), labels)
+        optimizer.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        scaler.step(optimizer)
+        return loss.item()
+
+    assert not check_amp_train_step(step)
+    out = capsys.readouterr().out
+    assert out.startswith("Not yet: the scale is") and "it was not halved" in out, out
+    assert "(in an overflowing step)" in out and "in a normal step" not in out, out
