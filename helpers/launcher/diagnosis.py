@@ -269,8 +269,9 @@ _WARNING = re.compile(r"^\S.*:\d+: \w*Warning: ")  # warnings.showwarning's firs
 
 
 def last_printed_line(text: str) -> str:
-    """The last line a rank printed, passing over Python warnings (each "file:line: SomeWarning: ..." line and the
-    source line warnings prints under it), which tell nothing of where the rank's own code was."""
+    """The last line a rank printed, passing over Python warnings (each "file:line: SomeWarning: ..." line, the lines
+    of a message that runs on, and the indented source line warnings prints under it), which tell nothing of where
+    the rank's own code was."""
     lines = text.splitlines()
     if not text.strip():
         return "(no output)"
@@ -278,8 +279,13 @@ def last_printed_line(text: str) -> str:
     while end > 0:
         if _WARNING.match(lines[end - 1]):
             end -= 1
-        elif end > 1 and _WARNING.match(lines[end - 2]) and lines[end - 1].startswith("  "):
-            end -= 2
+            continue
+        # the source line (indented) and up to 3 lines of message above it, back to a warning's first line
+        body = 1 if lines[end - 1].startswith("  ") else 0
+        start = next((i for i in range(end - 1 - body, max(end - 5 - body, 0) - 1, -1) if _WARNING.match(lines[i])),
+                     None)
+        if body and start is not None and not any(line.startswith("  ") for line in lines[start + 1:end - 1]):
+            end = start
         else:
             return lines[end - 1]
     return next(line for line in reversed(lines) if _WARNING.match(line))  # nothing but warnings: the last one

@@ -228,7 +228,7 @@ def run_fully_shard(name: str, rank: int, device: torch.device) -> dict:
         fully_shard(unit)
     fully_shard(model)
     record = train(model, torch.optim.AdamW(model.parameters(), lr=LR), width, device, rank, mark_units=units)
-    record["params"] = [p.full_tensor().reshape(-1).cpu() for p in model.parameters()]
+    record["params"] = [p.full_tensor().detach().reshape(-1).cpu() for p in model.parameters()]
     return record
 
 

@@ -204,6 +204,8 @@ def test_the_last_line_of_a_rank_is_not_a_warning():
     # the last thing each rank printed before a hang in the learner's class
     log = ("step 0\n/venv/lib/python3.11/site-packages/torch/distributed/fsdp/_fully_shard/_fsdp_state.py:262: "
            "UserWarning: something about hooks\n  output = self._register_pre_backward_hook(output)\n"
+           "/repo/helpers/workers/zero_check.py:333: UserWarning: Converting a tensor with requires_grad=True to a "
+           "scalar may lead to unexpected behavior.\nConsider using tensor.detach() first.\n  out = max(values)\n"
            "/venv/lib/python3.11/site-packages/torch/x.py:9: FutureWarning: soon\n")
     only = "".join(log.splitlines(keepends=True)[1:3])  # nothing but the UserWarning: its own line, not the source
     text = hang_message("timed out after 3 s", {}, {0: log, 1: only}, "runs/x")
