@@ -3,10 +3,10 @@ mistake) and right ones built differently (each must pass, or hear why the exerc
 
 m01..m15 and c01..c09 are the wrong and right-but-different classes of the December mutation test
 (../shared/reviews/2026-12-06-lesson09.md, part 2), rebuilt from its descriptions; W1..W4 and x1..x3 are the fresh
-reader's of 6 December (lesson 09, findings 09-2 to 09-5); r09-2 marks the second reader's of that day (R1, R2); the
-others are earlier readers' (LL-, NEW-, NF-) and the
-lesson's own. Each class is a copy of helpers/workers/zero_solution.py with a few lines
-changed (`mutated`), or a subclass of the solution's class (`subclass`). WRONG and CRASHING map a name to (stage,
+reader's of 6 December (lesson 09, findings 09-2 to 09-5); r09-2 marks the second reader's of that day (R1, R2),
+w09-2 the learner walkthrough's; the others are earlier readers' (LL-, NEW-, NF-) and the lesson's own. Each class
+is a copy of helpers/workers/zero_solution.py with a few lines changed (`mutated`), or a subclass of the solution's
+class (`subclass`). WRONG and CRASHING map a name to (stage,
 source, the words its message must contain: one string, or a tuple of strings that must all be in it, where a
 measured difference sits between them); RIGHT to (stage, source).
 """
@@ -277,8 +277,17 @@ class Zero3(Base):
         self._reduce_scatter(p)
         p.grad = None
         p.data = torch.empty(0)
-'''), "model 'mlp': after the constructor 0.weight has shape [0], where the model's parameter has [48, 32]: free a "
-      "parameter's memory with free_storage(p), which keeps its shape."),
+'''), "model 'mlp': after the constructor 0.weight has shape [0], where the model's parameter has [48, 32]: free the "
+      "storage with free_storage(p), not by replacing p.data"),
+    "w09-2 zero3: frees with p.data = torch.empty(0), gathers with alloc_storage and copy_": (
+        "zero3", mutated(("free_storage(p)", "p.data = torch.empty(0)")),
+        "model 'mlp': after the constructor 0.weight has shape [0], where the model's parameter has [48, 32]: free the "
+        "storage with free_storage(p), not by replacing p.data"),
+    "w09-2 zero3: frees with free_storage in the constructor, with p.data = torch.empty(0) after each forward": (
+        "zero3", mutated(("            free_storage(p)\n\n    def _gradient_ready",
+                          "            p.data = torch.empty(0)\n\n    def _gradient_ready")),
+        "model 'mlp': at step 0, when unit 2's backward was about to run, 4.weight has shape [0], where the model's "
+        "parameter has [10, 48]: free the storage with free_storage(p), not by replacing p.data"),
     "c05 zero1: each rank broadcasts its own shard (ZeroRedundancyOptimizer's way)": (
         "zero1", mutated(("        dist.all_gather_single(full, self.shards[p].detach())",
                           "        size = self.shards[p].numel()\n"
@@ -347,7 +356,8 @@ class Zero3(Base):
         "model 'mlp': step 0 all-reduced; reduce-scatter the gradients instead"),
     "zero2: keeps the full gradients": (
         "zero2", mutated(("        p.grad = None  # the full gradient is freed during backward", "")),
-        "model 'mlp': it holds 26556 bytes of gradients after backward; 4 bytes x shard = 8852"),
+        ("model 'mlp': it holds 26556 bytes of gradients after backward; 4 bytes x shard = 8852",
+         "The full gradients (17704 bytes) are still held: set p.grad = None in the hook")),
     "zero2: reduce-scatters in step()": (
         "zero2", mutated(*STASH), "model 'mlp': step 0 reduce-scattered after backward"),
     "zero3: no prefetch at all": ("zero3", mutated(NO_PREFETCH), "model 'mlp': step 0: " + NOT_ISSUED),

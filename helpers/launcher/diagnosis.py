@@ -265,11 +265,36 @@ def where(dump: str, script: str, library_dirs: tuple[str, ...] = (), step: int 
     return f"{what} at {os.path.basename(file)}:{line}{suffix}"
 
 
+_WARNING = re.compile(r"^\S.*:\d+: \w*Warning: ")  # warnings.showwarning's first line: file:line: Category: text
+
+
+def last_printed_line(text: str) -> str:
+    """The last line a rank printed, passing over Python warnings (each "file:line: SomeWarning: ..." line, the lines
+    of a message that runs on, and the indented source line warnings prints under it), which tell nothing of where
+    the rank's own code was."""
+    lines = text.splitlines()
+    if not text.strip():
+        return "(no output)"
+    end = len(lines)
+    while end > 0:
+        if _WARNING.match(lines[end - 1]):
+            end -= 1
+            continue
+        # the source line (indented) and up to 3 lines of message above it, back to a warning's first line
+        body = 1 if lines[end - 1].startswith("  ") else 0
+        start = next((i for i in range(end - 1 - body, max(end - 5 - body, 0) - 1, -1) if _WARNING.match(lines[i])),
+                     None)
+        if body and start is not None and not any(line.startswith("  ") for line in lines[start + 1:end - 1]):
+            end = start
+        else:
+            return lines[end - 1]
+    return next(line for line in reversed(lines) if _WARNING.match(line))  # nothing but warnings: the last one
+
+
 def hang_message(headline: str, where_by_rank: dict[int, str], logs: dict[int, str], log_dir: str) -> str:
-    """The error of a hang: where each rank was (live ranks), then the last line each rank printed."""
+    """The error of a hang: where each rank was (live ranks), then the last line each rank printed (not a warning)."""
     places = "\n".join(f"  rank {rank}: {text}" for rank, text in sorted(where_by_rank.items()))
-    tails = "\n".join(f"  [rank {rank}] {text.splitlines()[-1] if text.strip() else '(no output)'}"
-                      for rank, text in sorted(logs.items()))
+    tails = "\n".join(f"  [rank {rank}] {last_printed_line(text)}" for rank, text in sorted(logs.items()))
     return (f"{headline}.\nWhere each rank was:\n{places or '  (no rank was running)'}\n"
             f"Last line of each rank:\n{tails or '  (no output)'}\n"
             f"Full stacks: {stacks_folder(log_dir)}/  Logs: {log_dir}/")

@@ -91,13 +91,17 @@ def _close(got: list[float], want: list[float]) -> bool:
 def _layout_problem(stage: str, model: dict, rank: int, world_size: int, cap_mb: float) -> str | None:
     """Every parameter keeps its shape; each rank's shard, read right after the constructor, is its chunk of the
     flattened parameter padded with zeros at the end (the lesson's rule)."""
-    for when, shapes in (("after the constructor", model["shapes"]), ("after training", model["shapes_after"])):
+    stopped = model.get("stopped")  # the worker stopped a unit about to run with a changed shape (ShapeChanged)
+    for when, shapes in (("after the constructor", model["shapes"]),
+                         *([(stopped["when"], {stopped["name"]: stopped["shape"]})] if stopped else []),
+                         ("after training", model["shapes_after"])):
         for name, shape in shapes.items():  # catches `p.data = torch.empty(0)` in place of free_storage
             if shape != model["reference_shapes"][name]:
                 return (f"{when} {name} has shape {shape}, where the model's parameter has "
-                        f"{model['reference_shapes'][name]}: free a parameter's memory with free_storage(p), which "
-                        "keeps its shape. Giving p.data a new, empty tensor changes the shape the model and autograd "
-                        "read, and the views autograd saved for backward keep the old memory alive.")
+                        f"{model['reference_shapes'][name]}: free the storage with free_storage(p), not by replacing "
+                        "p.data; free_storage keeps the shape. Giving p.data a new, empty tensor changes the shape "
+                        "the model and autograd read, and the views autograd saved for backward keep the old memory "
+                        "alive.")
     if stage == "bucketed":
         return None
     if not model["has_shards"] or len(model["shards"]) != len(model["names"]):
@@ -359,6 +363,12 @@ def _memory_problem(stage: str, model: dict, rank: int, world_size: int, cap_mb:
                             "exercise waits for each reduce-scatter in its hook; FSDP2 waits for its own at the end of "
                             "backward), so that code between backward and step(), such as gradient clipping, can "
                             "read it.")
+            elif what == "gradients after backward":  # catches a hook that leaves p.grad in place
+                full = 4 * sum(model["numels"])
+                message += (f" The full gradients ({full} bytes) are still held: set p.grad = None in the hook, once "
+                            "its gradient is reduce-scattered." if got - should == full else
+                            f" That is {got - should} bytes more: set each p.grad = None in its hook, once its "
+                            "gradient is reduce-scattered.")
             return message
     for step, (backward, after) in enumerate(zip(impl["other"][::2], impl["other"][1::2], strict=True)):
         for other in (backward, after):  # catches gather buffers or full gradients kept on the side

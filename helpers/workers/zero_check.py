@@ -23,7 +23,9 @@ that a buffer read before its wait() reads NaN on every run, not a timing-depend
 that starts with NaN in a parameter. A class whose values hold NaN on one model is not run on the next ones (the ranks
 agree on it): NaN says what is wrong, and the tied model would crash on it. A unit about to run with a freed parameter
 stops the launch with a sentence that names the unit and the parameter (StoppedByTheCheck), where torch would stop
-inside its own code with an out-of-bounds storage error.
+inside its own code with an out-of-bounds storage error. A unit about to run with a parameter whose shape is not the
+model's (`p.data = torch.empty(0)` in place of free_storage) ends that class's training there (ShapeChanged, recorded
+as "stopped"; the launch goes on), where torch would stop the launch with a size mismatch.
 """
 import argparse
 import functools
@@ -51,6 +53,12 @@ log = CommLog().install()  # before the learner's file is loaded, so `from torch
 
 class StoppedByTheCheck(RuntimeError):
     """The harness stops a class that is about to compute with a freed parameter, and says what the class did."""
+
+
+class ShapeChanged(RuntimeError):
+    """A unit is about to run with a parameter whose shape is not the model's (`p.data = torch.empty(0)` in place of
+    free_storage): check() ends this class's training there and hands back where, for helpers/lessons/zero.py to say,
+    where the model would have stopped the launch inside torch with a size mismatch."""
 
 
 def load_class(stage: str, file: str):
@@ -87,6 +95,11 @@ def train(model, optimizer, width, device, rank, after_backward=None, mark_units
         if not watch:
             return {}
         params = list(mark_units[i].parameters())
+        for p in params:
+            name, want = watch["names"][p], watch["shapes"][watch["names"][p]]
+            if list(p.shape) != want:
+                raise ShapeChanged({"when": f"at step {at['step']}, when unit {i}'s {when} was about to run,",
+                                    "name": name, "shape": list(p.shape)})
         freed = [watch["names"][p] for p in params if p.numel() and not p.untyped_storage().size()]
         if freed:
             shared = [(name, j) for name in freed for j, other in enumerate(mark_units) if j != i
@@ -215,7 +228,7 @@ def run_fully_shard(name: str, rank: int, device: torch.device) -> dict:
         fully_shard(unit)
     fully_shard(model)
     record = train(model, torch.optim.AdamW(model.parameters(), lr=LR), width, device, rank, mark_units=units)
-    record["params"] = [p.full_tensor().reshape(-1).cpu() for p in model.parameters()]
+    record["params"] = [p.full_tensor().detach().reshape(-1).cpu() for p in model.parameters()]
     return record
 
 
@@ -292,12 +305,19 @@ def check(name: str, stage: str, cls, rank: int, device: torch.device, base: dic
             out["impl"] = train(model, optimizer, width, device, rank, model.finish_gradient_synchronization,
                                 after_step=compare)
         else:
-            watch = {"model": name, "names": dict(zip(params, names, strict=True))}
+            watch = {"model": name, "names": dict(zip(params, names, strict=True)),
+                     "shapes": base["report"]["reference_shapes"]}
             out["impl"] = train(model, optimizer, width, device, rank, mark_units=units if stage == "zero3" else (),
                                 after_step=compare, known=known, watch=watch)
+    except ShapeChanged as stop:  # every rank runs the same code, so every rank stops here (the next class goes on)
+        out["stopped"] = stop.args[0]
+        log.take()  # this step's calls, some never waited for: not the next class's
     finally:
         log.hold_outputs = False
     out["shapes_after"] = {n: list(p.shape) for n, p in zip(names, params, strict=True)}
+    if "stopped" in out:  # helpers/lessons/zero.py names the shape before it reads anything training would have left
+        out["nan"] = False
+        return out
     final = base["params"][-1]
     if stage == "zero3" and len(shards) == len(params):  # the full parameters are freed: gather them (not counted)
         full = {n: gathered(shards[p], final[n].numel()).view_as(final[n]) for n, p in zip(names, params, strict=True)}
@@ -332,7 +352,8 @@ def main() -> None:
         models = {}
         for name in MODELS:
             models[name] = check(name, stage, cls, rank, device, bases[name])
-            if anywhere(models[name]["nan"], device):  # NaN names the mistake; the next models repeat it, or crash
+            # NaN or a changed shape names the mistake; the next models repeat it, or crash
+            if anywhere(models[name]["nan"] or "stopped" in models[name], device):
                 break
         checks.append({"stage": stage, "models": models})
     for base in bases.values():

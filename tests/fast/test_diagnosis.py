@@ -199,6 +199,21 @@ def test_hang_message_lists_every_rank():
     assert "[rank 0] b" in text and "[rank 1] (no output)" in text and "runs/x/stacks/" in text
 
 
+def test_the_last_line_of_a_rank_is_not_a_warning():
+    # lesson 09's check runs fully_shard, whose UserWarning (file:line: UserWarning: ..., then the source line) was
+    # the last thing each rank printed before a hang in the learner's class
+    log = ("step 0\n/venv/lib/python3.11/site-packages/torch/distributed/fsdp/_fully_shard/_fsdp_state.py:262: "
+           "UserWarning: something about hooks\n  output = self._register_pre_backward_hook(output)\n"
+           "/repo/helpers/workers/zero_check.py:333: UserWarning: Converting a tensor with requires_grad=True to a "
+           "scalar may lead to unexpected behavior.\nConsider using tensor.detach() first.\n  out = max(values)\n"
+           "/venv/lib/python3.11/site-packages/torch/x.py:9: FutureWarning: soon\n")
+    only = "".join(log.splitlines(keepends=True)[1:3])  # nothing but the UserWarning: its own line, not the source
+    text = hang_message("timed out after 3 s", {}, {0: log, 1: only}, "runs/x")
+    assert "[rank 0] step 0\n" in text, text
+    assert "[rank 1] /venv/lib/python3.11/site-packages/torch/distributed/fsdp/_fully_shard/_fsdp_state.py:262: " \
+           "UserWarning: something about hooks\n" in text, text
+
+
 # ---------------------------------------------------------------------------- where a crash happened, and what it means
 
 ABORT_LOG = """step 1
