@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ import torch
 from helpers import LaunchTimeout, WorkerFailed, launch
 from helpers.kit import WORKERS
 from helpers.kit.context_experts import DIM, block_attention, layout
+from helpers.launcher.api import launch_server_pid
 from helpers.lessons.checks import correct, each_rank, explain_crash, not_yet
 
 # A float32 ring against one-process attention in float64 (the issue's bar), and against torch's own float32 ring.
@@ -41,16 +43,29 @@ class Checked:
         return self.passed
 
 
+def _checking(nproc: int, timeout: float, first: bool) -> None:
+    """The line a check prints before each launch; the first also says how long a hang may last, and whether this
+    kernel's launch server starts first (it imports torch, the longest wait of a first check)."""
+    if first and launch_server_pid() is None and sys.platform.startswith("linux"):
+        print("Starting this kernel's launch server first: it imports torch once, so this first check takes longer.",
+              flush=True)
+    print(f"Checking on {nproc} ranks" + (f" (a run that hangs is stopped after {timeout:g} s)" if first else "")
+          + "...", flush=True)
+
+
 def _launch(worker: str, nproc: int, args: list[str], timeout: float, what: str) -> tuple[Any, str | None]:
     """One launch: (run, None), or (None, the sentence a learner reads) when it crashed or hung."""
     try:
         return launch(WORKERS / worker, nproc=nproc, echo=False, timeout=timeout, args=args), None
     except LaunchTimeout as error:
+        blocking = any("in dist.recv " in line for line in error.where.values())
         return None, (f"{what} on {nproc} ranks did not finish within {timeout:g} s; where each rank was waiting:"
                       f"{each_rank(error.where)}. A rank that waits in a receive or a collective its peer never "
                       f"joins: check which rank each send goes to and which each receive expects"
                       + ("; in a ring, wait() both requests of a step before using `incoming` and before the next "
-                         "step's isend." if worker == "context_check.py" else "."))
+                         "step's isend." if worker == "context_check.py" else ".")
+                      + (" A blocking dist.recv returns only once its peer has sent: when every rank receives before "
+                         "it sends, none sends; start the isend first." if blocking else ""))
     except WorkerFailed as error:  # what not_yet_crashed says: the rank, the learner's line, what gloo's check means
         return None, explain_crash(error, f"{what} on {nproc} ranks")
 
@@ -242,9 +257,8 @@ MISTAKE_ADVICE = {
                                  "labels the blocks that way gives this same output, as does one that labels them "
                                  "(rank + s))"),
     "sum of blocks, not merged": "the sum of the blocks' outputs: merge them by the log-sum-exp rule (exercise 1)",
-    "causal ignored": ("attention without any mask: causal=True is ignored. Skip the blocks above the diagonal (key "
-                       "chunks after the query chunk) and mask the diagonal block (block_attention(..., "
-                       "diagonal=True))"),
+    "causal ignored": ("attention without any mask: causal=True is ignored, so every query also sees the keys that "
+                       "come after it (the picture of section 4 shows which blocks a causal ring computes)"),
     "blocks above the diagonal masked": ("a ring that computes the blocks above the diagonal with the triangular "
                                          "mask: that mask is for the diagonal block only (a query chunk meeting its "
                                          "own keys); a block whose keys all come after the queries is skipped"),
@@ -399,7 +413,7 @@ def check_ring(path: str | Path, causal: bool = False, keep: dict | None = None,
     results = {}
     what = f"the {'causal ' if causal else ''}ring attention check of {Path(path).name}"
     for nproc in sizes:
-        print(f"Checking on {nproc} ranks...", flush=True)
+        _checking(nproc, timeout, first=nproc == sizes[0])
         run, failed = _launch("context_check.py", nproc, ["--impl", str(Path(path).resolve())]
                               + (["--causal"] if causal else []), timeout, what)
         if failed:
@@ -521,7 +535,7 @@ def check_moe(path: str | Path, keep: dict | None = None, timeout: float = 60,
     """Exercise 4: the learner's ExpertParallelMoE on 2 and then 4 ranks, with and without a capacity factor."""
     results = {}
     for nproc in sizes:
-        print(f"Checking on {nproc} ranks...", flush=True)
+        _checking(nproc, timeout, first=nproc == sizes[0])
         run, failed = _launch("experts_check.py", nproc, ["--impl", str(Path(path).resolve())], timeout,
                               f"the expert-parallel check of {Path(path).name}")
         if failed:
