@@ -106,6 +106,13 @@ CAUSAL_MUTANTS = {
           "            theirs = ctx.layout[(rank - step - 1) % world_size]")],
         "the output equals a ring that reads the chunk numbers of the block it holds at step s from the previous or "
         "the next step's rank"),
+    "decides by rank, not by chunk (a walkthrough's learner)": (  # right on the contiguous layout only
+        [("            if not causal or b < a:\n                yield i, j, False\n            elif b == a:\n"
+          "                yield i, j, True",
+          "            if not causal or theirs[0] < mine[0]:  # rank r's first chunk is r: the ranks compared\n"
+          "                yield i, j, False\n            elif theirs[0] == mine[0]:\n"
+          "                yield i, j, i == j")],
+        "The contiguous layout passed, so a rule on ranks and steps can hold there"),
     "ignores causal: exercise 2's ring unchanged (a walkthrough's learner)": (
         [("def needed(mine, theirs, causal):\n", "def needed(mine, theirs, causal):\n    causal = False\n")],
         "the output equals attention without any mask: causal=True is ignored"),

@@ -273,6 +273,12 @@ def _where(rank: int, kind: str, world_size: int) -> str:
     return f"{world_size} ranks, {kind} layout {layout(kind, world_size)}, rank {rank}"
 
 
+GENERIC = "the output differs from one-process attention over the whole sequence"
+BY_RANK_ADVICE = (" The contiguous layout passed, so a rule on ranks and steps can hold there; in the balanced "
+                  "layout a rank's two chunks lie on both sides of the others', so decide each block by its chunk "
+                  "numbers.")
+
+
 def ring_problem(per_rank: dict[int, dict], causal: bool, merge_note: str | None = None) -> str | None:
     """The first thing wrong in one launch's results of one file, as the sentence after "Not yet: ", or None.
     merge_note: empty_start_problem of the file's merge (what a nan output may come from)."""
@@ -285,8 +291,11 @@ def ring_problem(per_rank: dict[int, dict], causal: bool, merge_note: str | None
             for rank, graded in sorted(per_rank.items()):
                 problem = find(graded[kind])
                 if problem:
+                    if causal and kind == "balanced" and problem.startswith(GENERIC):  # the contiguous layout passed
+                        problem += BY_RANK_ADVICE
                     return f"{_where(rank, kind, len(graded[kind]['layout']))}: {problem}"
     return None
+
 
 
 WAIT_ADVICE = ("wait() both requests before using `incoming` (this check keeps a receive's buffer at NaN until its "
@@ -334,7 +343,7 @@ def _output_problem(got: dict, causal: bool, merge_note: str | None = None) -> s
     for mistake in MISTAKE_ADVICE:
         if mistake in matches["mistakes"]:
             return f"the output equals {MISTAKE_ADVICE[mistake]}."
-    return (f"the output differs from one-process attention over the whole sequence by up to {error:.2g} (more "
+    return (f"{GENERIC} by up to {error:.2g} (more "
             f"than {TRUTH:g}).")
 
 
@@ -830,16 +839,16 @@ def memory_report(run: Any) -> list[dict[str, Any]]:
 
     got = run.results[0]
     hidden, sizes, rows = got["heads"] * got["head_dim"], got["sizes"], got["rows"]
-    print("torch's ring attention, forward + backward, no mask, rank 0. Peak bytes in tensors, float32 ('q': one of "
-          "its own q-sized tensors, S / N tokens):")
+    print("torch's ring attention, forward + backward, no mask, rank 0. Peak bytes in tensors, float32\n"
+          "('q': one of its own q-sized tensors, S / N tokens; ratio: one process / all-to-all):")
     print(f"{'tokens':>7} {'one process':>12} | " + " | ".join(
-        f"N={n}: {'all-to-all':>10} {'all-gather':>10} {'one process / all-to-all':>24}" for n in sizes))
+        f"N={n}: {'all-to-all':>10} {'all-gather':>10} {'ratio':>6}" for n in sizes))
     for row in rows:
         whole = row["one process"]["peak"]
         parts = []
         for n in sizes:
             ring, gather = row[f"N={n} float32 alltoall"], row[f"N={n} float32 allgather"]
-            parts.append(f"N={n}: {ring['peak']:>10} {gather['peak']:>10} {whole / ring['peak']:>24.2f}")
+            parts.append(f"N={n}: {ring['peak']:>10} {gather['peak']:>10} {whole / ring['peak']:>6.2f}")
         print(f"{row['seq']:>7} {whole:>12} | " + " | ".join(parts))
     last = rows[-1]
     q_bytes = {n: last[f"N={n} float32 alltoall"]["kv_bytes"] / 2 for n in sizes}
