@@ -106,6 +106,13 @@ CAUSAL_MUTANTS = {
           "            theirs = ctx.layout[(rank - step - 1) % world_size]")],
         "the output equals a ring that reads the chunk numbers of the block it holds at step s from the previous or "
         "the next step's rank"),
+    "decides by rank, not by chunk (a walkthrough's learner)": (  # right on the contiguous layout only
+        [("            if not causal or b < a:\n                yield i, j, False\n            elif b == a:\n"
+          "                yield i, j, True",
+          "            if not causal or theirs[0] < mine[0]:  # rank r's first chunk is r: the ranks compared\n"
+          "                yield i, j, False\n            elif theirs[0] == mine[0]:\n"
+          "                yield i, j, i == j")],
+        "The contiguous layout passed, so a rule on ranks and steps can hold there"),
     "ignores causal: exercise 2's ring unchanged (a walkthrough's learner)": (
         [("def needed(mine, theirs, causal):\n", "def needed(mine, theirs, causal):\n    causal = False\n")],
         "the output equals attention without any mask: causal=True is ignored"),
@@ -210,6 +217,8 @@ def test_ring_check_names_each_mistake_and_passes_other_right_designs(causal, tm
             assert verdict is None, (name, verdict)
         else:
             assert verdict is not None and mutants[name][1] in verdict, (name, verdict)
+        if name.startswith("ignores causal"):  # exercise 3's untouched code: the mistake named, the rule not given
+            assert "diagonal" not in verdict and "skip" not in verdict.lower(), verdict
 
 
 MOE_MUTANTS = {
@@ -274,7 +283,7 @@ def test_moe_check_names_each_mistake_and_passes_another_right_design(tmp_path):
 def test_checks_accept_the_solutions_on_two_and_four_ranks(capsys):
     assert check_ring(RING, causal=True)
     assert check_moe(MOE)
-    lines = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("Checking")]
+    lines = [line for line in capsys.readouterr().out.splitlines() if not line.startswith(("Checking", "Starting"))]
     assert len(lines) == 2 and all(line.startswith("Correct: ") for line in lines), lines
     assert "Your design: a ring: k and v passed on with send/receive" in lines[0], lines[0]  # names what it saw
 
@@ -296,8 +305,10 @@ def test_a_ring_that_waits_before_it_sends_is_stopped_and_says_where(tmp_path, c
          "    requests = [dist.isend(tensor, (rank + 1) % world_size)]")])
     assert not check_ring(path, sizes=(2,), timeout=12)
     out = capsys.readouterr().out
+    assert "Checking on 2 ranks (a run that hangs is stopped after 12 s)..." in out, out  # said before the wait
     assert "did not finish within 12 s; where each rank was waiting:" in out and "recv_first.py:" in out, out
     assert "wait() both requests of a step before using `incoming`" in out, out  # a ring's hang names the waits
+    assert "A blocking dist.recv returns only once its peer has sent" in out, out  # and what a blocking receive does
 
 
 def test_a_forward_that_never_waits_for_its_receives_is_named_on_two_ranks(tmp_path, capsys):
@@ -331,5 +342,5 @@ def test_starting_code_in_the_notebook_says_not_yet(tmp_path, capsys):
     assert not check_merge(files["my_ring_attention.py"])
     assert not check_ring(files["my_ring_attention.py"], sizes=(2,))
     assert not check_moe(files["my_moe.py"], sizes=(2,))
-    out = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("Checking")]
+    out = [line for line in capsys.readouterr().out.splitlines() if not line.startswith(("Checking", "Starting"))]
     assert len(out) == 3 and all(line.startswith("Not yet: ") for line in out), out

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ import torch
 from helpers import LaunchTimeout, WorkerFailed, launch
 from helpers.kit import WORKERS
 from helpers.kit.context_experts import DIM, block_attention, layout
+from helpers.launcher.api import launch_server_pid
 from helpers.lessons.checks import correct, each_rank, explain_crash, not_yet
 
 # A float32 ring against one-process attention in float64 (the issue's bar), and against torch's own float32 ring.
@@ -41,16 +43,29 @@ class Checked:
         return self.passed
 
 
+def _checking(nproc: int, timeout: float, first: bool) -> None:
+    """The line a check prints before each launch; the first also says how long a hang may last, and whether this
+    kernel's launch server starts first (it imports torch, the longest wait of a first check)."""
+    if first and launch_server_pid() is None and sys.platform.startswith("linux"):
+        print("Starting this kernel's launch server first: it imports torch once, so this first check takes longer.",
+              flush=True)
+    print(f"Checking on {nproc} ranks" + (f" (a run that hangs is stopped after {timeout:g} s)" if first else "")
+          + "...", flush=True)
+
+
 def _launch(worker: str, nproc: int, args: list[str], timeout: float, what: str) -> tuple[Any, str | None]:
     """One launch: (run, None), or (None, the sentence a learner reads) when it crashed or hung."""
     try:
         return launch(WORKERS / worker, nproc=nproc, echo=False, timeout=timeout, args=args), None
     except LaunchTimeout as error:
+        blocking = any("in dist.recv " in line for line in error.where.values())
         return None, (f"{what} on {nproc} ranks did not finish within {timeout:g} s; where each rank was waiting:"
                       f"{each_rank(error.where)}. A rank that waits in a receive or a collective its peer never "
                       f"joins: check which rank each send goes to and which each receive expects"
                       + ("; in a ring, wait() both requests of a step before using `incoming` and before the next "
-                         "step's isend." if worker == "context_check.py" else "."))
+                         "step's isend." if worker == "context_check.py" else ".")
+                      + (" A blocking dist.recv returns only once its peer has sent: when every rank receives before "
+                         "it sends, none sends; start the isend first." if blocking else ""))
     except WorkerFailed as error:  # what not_yet_crashed says: the rank, the learner's line, what gloo's check means
         return None, explain_crash(error, f"{what} on {nproc} ranks")
 
@@ -242,9 +257,8 @@ MISTAKE_ADVICE = {
                                  "labels the blocks that way gives this same output, as does one that labels them "
                                  "(rank + s))"),
     "sum of blocks, not merged": "the sum of the blocks' outputs: merge them by the log-sum-exp rule (exercise 1)",
-    "causal ignored": ("attention without any mask: causal=True is ignored. Skip the blocks above the diagonal (key "
-                       "chunks after the query chunk) and mask the diagonal block (block_attention(..., "
-                       "diagonal=True))"),
+    "causal ignored": ("attention without any mask: causal=True is ignored, so every query also sees the keys that "
+                       "come after it (the picture of section 4 shows which blocks a causal ring computes)"),
     "blocks above the diagonal masked": ("a ring that computes the blocks above the diagonal with the triangular "
                                          "mask: that mask is for the diagonal block only (a query chunk meeting its "
                                          "own keys); a block whose keys all come after the queries is skipped"),
@@ -259,6 +273,12 @@ def _where(rank: int, kind: str, world_size: int) -> str:
     return f"{world_size} ranks, {kind} layout {layout(kind, world_size)}, rank {rank}"
 
 
+GENERIC = "the output differs from one-process attention over the whole sequence"
+BY_RANK_ADVICE = (" The contiguous layout passed, so a rule on ranks and steps can hold there; in the balanced "
+                  "layout a rank's two chunks lie on both sides of the others', so decide each block by its chunk "
+                  "numbers.")
+
+
 def ring_problem(per_rank: dict[int, dict], causal: bool, merge_note: str | None = None) -> str | None:
     """The first thing wrong in one launch's results of one file, as the sentence after "Not yet: ", or None.
     merge_note: empty_start_problem of the file's merge (what a nan output may come from)."""
@@ -271,8 +291,11 @@ def ring_problem(per_rank: dict[int, dict], causal: bool, merge_note: str | None
             for rank, graded in sorted(per_rank.items()):
                 problem = find(graded[kind])
                 if problem:
+                    if causal and kind == "balanced" and problem.startswith(GENERIC):  # the contiguous layout passed
+                        problem += BY_RANK_ADVICE
                     return f"{_where(rank, kind, len(graded[kind]['layout']))}: {problem}"
     return None
+
 
 
 WAIT_ADVICE = ("wait() both requests before using `incoming` (this check keeps a receive's buffer at NaN until its "
@@ -320,7 +343,7 @@ def _output_problem(got: dict, causal: bool, merge_note: str | None = None) -> s
     for mistake in MISTAKE_ADVICE:
         if mistake in matches["mistakes"]:
             return f"the output equals {MISTAKE_ADVICE[mistake]}."
-    return (f"the output differs from one-process attention over the whole sequence by up to {error:.2g} (more "
+    return (f"{GENERIC} by up to {error:.2g} (more "
             f"than {TRUTH:g}).")
 
 
@@ -399,7 +422,7 @@ def check_ring(path: str | Path, causal: bool = False, keep: dict | None = None,
     results = {}
     what = f"the {'causal ' if causal else ''}ring attention check of {Path(path).name}"
     for nproc in sizes:
-        print(f"Checking on {nproc} ranks...", flush=True)
+        _checking(nproc, timeout, first=nproc == sizes[0])
         run, failed = _launch("context_check.py", nproc, ["--impl", str(Path(path).resolve())]
                               + (["--causal"] if causal else []), timeout, what)
         if failed:
@@ -521,7 +544,7 @@ def check_moe(path: str | Path, keep: dict | None = None, timeout: float = 60,
     """Exercise 4: the learner's ExpertParallelMoE on 2 and then 4 ranks, with and without a capacity factor."""
     results = {}
     for nproc in sizes:
-        print(f"Checking on {nproc} ranks...", flush=True)
+        _checking(nproc, timeout, first=nproc == sizes[0])
         run, failed = _launch("experts_check.py", nproc, ["--impl", str(Path(path).resolve())], timeout,
                               f"the expert-parallel check of {Path(path).name}")
         if failed:
@@ -816,16 +839,16 @@ def memory_report(run: Any) -> list[dict[str, Any]]:
 
     got = run.results[0]
     hidden, sizes, rows = got["heads"] * got["head_dim"], got["sizes"], got["rows"]
-    print("torch's ring attention, forward + backward, no mask, rank 0. Peak bytes in tensors, float32 ('q': one of "
-          "its own q-sized tensors, S / N tokens):")
+    print("torch's ring attention, forward + backward, no mask, rank 0. Peak bytes in tensors, float32\n"
+          "('q': one of its own q-sized tensors, S / N tokens; ratio: one process / all-to-all):")
     print(f"{'tokens':>7} {'one process':>12} | " + " | ".join(
-        f"N={n}: {'all-to-all':>10} {'all-gather':>10} {'one process / all-to-all':>24}" for n in sizes))
+        f"N={n}: {'all-to-all':>10} {'all-gather':>10} {'ratio':>6}" for n in sizes))
     for row in rows:
         whole = row["one process"]["peak"]
         parts = []
         for n in sizes:
             ring, gather = row[f"N={n} float32 alltoall"], row[f"N={n} float32 allgather"]
-            parts.append(f"N={n}: {ring['peak']:>10} {gather['peak']:>10} {whole / ring['peak']:>24.2f}")
+            parts.append(f"N={n}: {ring['peak']:>10} {gather['peak']:>10} {whole / ring['peak']:>6.2f}")
         print(f"{row['seq']:>7} {whole:>12} | " + " | ".join(parts))
     last = rows[-1]
     q_bytes = {n: last[f"N={n} float32 alltoall"]["kv_bytes"] / 2 for n in sizes}
