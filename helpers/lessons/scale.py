@@ -440,8 +440,19 @@ def plan_without_prepare() -> tuple[dict, dict]:
     return top, block
 
 
-@functools.cache
+_TP_PHASE_COUNTS: dict[int, tuple] = {}
+
+
 def _tp_phase_counts_cached(blocks: int) -> tuple[tuple[str, tuple[tuple[str, int], ...]], ...]:
+    """_tp_phase_counts_measured(blocks), measured once per block count. A plain function with its own dict, not
+    functools.cache: a cached call must still run a Python frame, or the exercise's watch (_counter_called) would not
+    see a tp_counts that asks the answer key after an earlier check filled the cache."""
+    if blocks not in _TP_PHASE_COUNTS:
+        _TP_PHASE_COUNTS[blocks] = _tp_phase_counts_measured(blocks)
+    return _TP_PHASE_COUNTS[blocks]
+
+
+def _tp_phase_counts_measured(blocks: int) -> tuple[tuple[str, tuple[tuple[str, int], ...]], ...]:
     """CommDebugMode's tp collectives, forward and backward apart, of lesson 10's FSDP x TP layout with the exercise's
     plan (plan_without_prepare) on a (2, 2) mesh of fake ranks. The first step is counted: FSDP2's lazy
     initialisation runs no tp collective (its own, on dp, are c10d ops and left out)."""
@@ -538,7 +549,8 @@ def _where_it_differs(yours: dict[int, dict], torch_counts: dict[int, dict]) -> 
 
 # The functions of this module that run torch to count the exercise's collectives (the checker's answer key among
 # them): a tp_counts that calls one, or enters torch's CommDebugMode, has the counts made for it instead of derived.
-_COUNTERS = {"collective_counts", "tp_phase_counts", "_tp_phase_counts_cached", "tp_step_counts", "_fsdp_tp_with",
+_COUNTERS = {"collective_counts", "tp_phase_counts", "_tp_phase_counts_cached", "_tp_phase_counts_measured",
+             "tp_step_counts", "_fsdp_tp_with",
              "simulated_world"}
 
 
