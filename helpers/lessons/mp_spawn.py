@@ -192,6 +192,10 @@ def torchrun_in_a_terminal(script: str | Path, variants: dict[str, list[str]], n
 
     stop_launch_server(before="torchrun's fresh interpreters")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    # The workers share one pipe. With PYTHONUNBUFFERED set (JupyterLab's environment may have it), print() writes a
+    # line and its newline in two system calls, so two ranks' lines can glue ("step 0: sum 1.333step 0: ..."); without
+    # it a flushed print is one write, whole on the pipe.
+    env.pop("PYTHONUNBUFFERED", None)
     outputs: dict[str, str] = {}
     took = None
     for name, args in variants.items():

@@ -106,7 +106,7 @@ def test_coloured_diff_folds_the_hunks_before_the_lines_that_matter():
     assert shown.count("<div") <= 45 and rest.startswith("<summary>the rest (")
 
 
-def test_failure_reports_run_again_when_the_raising_rank_dies_of_sigabrt(monkeypatch):
+def test_failure_reports_run_again_when_the_raising_rank_dies_of_sigabrt(monkeypatch, capsys):
     """torchrun_failure_reports runs the two launches one after the other, runs the pair again when a report names
     SIGABRT (torch's teardown of a gloo group killing the rank that raised), at most `attempts` times, and returns the
     first pair without it."""
@@ -125,5 +125,6 @@ def test_failure_reports_run_again_when_the_raising_rank_dies_of_sigabrt(monkeyp
     monkeypatch.setattr(ddp, "_run_together", one_at_a_time)
     pairs[:] = [aborted, aborted, plain]
     assert ddp.torchrun_failure_reports() == plain and len(calls) == 6
+    assert capsys.readouterr().out.count("running the pair again") == 2  # every rerun is said before it starts
     pairs[:], calls[:] = [aborted, aborted, aborted, plain], []
     assert ddp.torchrun_failure_reports(attempts=2) == aborted and len(calls) == 4  # gives up, shows what it got

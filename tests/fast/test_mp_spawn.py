@@ -60,3 +60,34 @@ def test_the_poison_message_is_the_one_torch_raises():
     import torch.cuda
 
     assert POISONED in Path(torch.cuda.__file__).read_text(encoding="utf-8")
+
+
+def test_torchruns_workers_write_each_line_whole(monkeypatch, capsys):
+    """The workers share one pipe: with PYTHONUNBUFFERED set, a print's line and newline are two writes and two ranks'
+    lines glue ("step 0: sum 1.333step 0: sum 1.333", as a learner saw in lesson 00). The terminal run drops it."""
+    import subprocess
+
+    from helpers.launcher import api
+    from helpers.lessons import mp_spawn
+
+    seen = {}
+
+    class Finished:
+        returncode = 1
+
+        def __init__(self, command, env, **_):
+            seen.update(env=env)
+            self.stdout = iter(["step 0: sum 1.333\n"])
+
+        def wait(self, timeout=None):
+            return 1
+
+        def kill(self):
+            pass
+
+    monkeypatch.setenv("PYTHONUNBUFFERED", "1")
+    monkeypatch.setattr(api, "stop_launch_server", lambda before: None)
+    monkeypatch.setattr(subprocess, "Popen", Finished)
+    outputs = mp_spawn.torchrun_in_a_terminal("helpers/workers/broken_demo.py", {"plain": []})
+    assert "PYTHONUNBUFFERED" not in seen["env"] and str(REPO_ROOT) in seen["env"]["PYTHONPATH"]
+    assert outputs == {"plain": "step 0: sum 1.333\n"} and "[plain] step 0: sum 1.333\n" in capsys.readouterr().out
