@@ -69,7 +69,8 @@ PADDED_COPY = ("model 'mlp': step 0, when backward ended: the shard of 2.weight 
                "view. That storage is exactly 2.weight flattened and padded to 2 x 1152 values: padded_flat(p, N)"
                ".chunk(N)[r] is a view of that whole padded copy")
 HELD = ("this check keeps the output of every async_op=True all-reduce, reduce-scatter and all-gather (list forms "
-        "included; any part that another argument shares, such as an in-place all-gather's own chunk, excepted) at NaN until your code waits for it (on a real run that "
+        "included; any part that another argument shares, such as an in-place all-gather's own chunk, excepted) at "
+        "NaN until your code waits for it (on a real run that "
         "memory holds whatever it held before, or part of the result, depending on timing)")
 BUFFER = ("the class and the model held 17704 bytes in 6 tensor storage(s) that are none of the parameters, gradients, "
           "shards, shards' gradients or optimizer state (the largest, of shape ")

@@ -385,7 +385,8 @@ def _right(got: dict) -> bool:
 
 
 HELD = ("this check keeps the output of every async_op=True all-reduce, reduce-scatter and all-gather (list forms "
-        "included; any part that another argument shares, such as an in-place all-gather's own chunk, excepted) at NaN until your code waits for it (on a real run that "
+        "included; any part that another argument shares, such as an in-place all-gather's own chunk, excepted) at "
+        "NaN until your code waits for it (on a real run that "
         "memory holds whatever it held before, or part of the result, depending on timing)")
 
 
