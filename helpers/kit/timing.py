@@ -103,7 +103,8 @@ def take_turns(settings: dict[str, Callable[[], Any]], rounds: int = 5, warmup: 
                seed: int = 0, between: Callable[[], Any] | None = None) -> dict[str, Timing]:
     """Time every setting once per round, the settings in a shuffled order each round, after `warmup` untimed
     rounds. A round of one setting is `repeat` calls in a row, divided by `repeat` (seconds per call).
-    `between` runs before every turn, warm-up turns included (e.g. a barrier, so that all ranks start a turn together)."""
+    `between` runs before every turn, warm-up turns included (e.g. a barrier, so that all ranks start a turn
+    together)."""
     if rounds < 5:
         raise ValueError(f"rounds must be at least 5 for a verdict to mean anything, got {rounds}")
     order = list(settings)
