@@ -171,7 +171,12 @@ def test_the_check_passes_right_hooks_and_names_each_learners_mistake(tmp_path):
         assert lines[name].startswith("Correct: ") and "not WORLD (2 ranks and 1 rank)" in lines[name], lines[name]
     for name, (_, words) in WRONG.items():
         assert lines[name].startswith("Not yet: rank ") and words in lines[name], (name, lines[name])
-    assert "handed 4 bytes per gradient value" in lines["my_compress_hook.py"]  # the notebook's starting code
+    # the notebook's starting code: float32, and the average over every rank whatever the group; both named
+    assert "handed 4 bytes per gradient value" in lines["my_compress_hook.py"], lines["my_compress_hook.py"]
+    assert ("And in step 0 on a process group of 2 ranks that is not WORLD, DDP's gradients are (a multiple of) the "
+            "average over all 3 ranks, not over the 2 ranks of the group DDP handed your hook"
+            in lines["my_compress_hook.py"]), lines["my_compress_hook.py"]
+    assert "And" not in lines["sends_float32.py"]  # float32 alone: nothing else to name
 
 
 def test_the_check_names_each_mistake_a_fresh_reader_made(tmp_path):

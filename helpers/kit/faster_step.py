@@ -8,7 +8,8 @@
 - `prepare_compile()`: before the first torch.compile in a process: one compile thread (inductor's compile_threads,
   so a learner's memory stays in budget), the compile caches in a temporary folder of this launch, shared by its
   ranks (never the repository); `remove_compile_caches()` removes it, in the worker's `finally` (the launch
-  server's workers end with os._exit, which runs no atexit handler).
+  server's workers end with os._exit, which runs no atexit handler), and `remove_compile_caches_when_stopped()`
+  when a stopped launch SIGTERMs the worker.
 - `require_cxx()`: the C++ compiler inductor needs on a CPU, found by torch's own lookup; without one, `NoCompiler`
   says so in one sentence, instead of torch's error deep inside the first compiled step.
 - `still_working(what)`: a line at once, then one every few seconds, while a compile runs.
@@ -27,6 +28,7 @@ import gc
 import itertools
 import os
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -131,6 +133,20 @@ def remove_compile_caches() -> None:
     stayed in /tmp."""
     while _CACHES:
         shutil.rmtree(_CACHES.pop(), ignore_errors=True)
+
+
+def remove_compile_caches_when_stopped() -> None:
+    """In a worker's main thread: on SIGTERM, remove the compile caches, then end by SIGTERM as before. A stopped
+    launch (Stop, a timeout) SIGTERMs its workers and SIGKILLs them a second later; by default SIGTERM ends a process
+    without running its `finally`, and the folder stayed in /tmp. Python runs the handler when the main thread next
+    runs Python code: a rank waiting inside a C++ collective may not before the SIGKILL, but the folder is shared by
+    the ranks, and the rank that compiles (or waits for the C++ compiler, which gets the SIGTERM too) runs it."""
+    def stopped(signum: int, frame: Any) -> None:
+        remove_compile_caches()
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    signal.signal(signal.SIGTERM, stopped)
 
 
 @contextlib.contextmanager

@@ -39,6 +39,7 @@ from helpers.kit.faster_step import (
     prepare_compile,
     release,
     remove_compile_caches,
+    remove_compile_caches_when_stopped,
     require_cxx,
     still_working,
     synchronize,
@@ -225,6 +226,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    remove_compile_caches_when_stopped()  # Stop (a SIGTERM) runs no `finally`
     try:
         main()
     finally:  # after main's last barrier (release); also when it fails

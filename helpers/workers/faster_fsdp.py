@@ -28,6 +28,7 @@ from helpers.kit.faster_step import (
     prepare_compile,
     release,
     remove_compile_caches,
+    remove_compile_caches_when_stopped,
     still_working,
 )
 from helpers.kit.reporting import progress, result
@@ -95,6 +96,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    remove_compile_caches_when_stopped()  # Stop (a SIGTERM) runs no `finally`
     try:
         main()
     finally:  # after main's last barrier (release); also when it fails

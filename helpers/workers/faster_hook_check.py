@@ -3,9 +3,10 @@
     torchrun --standalone --nproc-per-node 3 helpers/workers/faster_hook_check.py --impl solution
 
 --impl: a file that defines compress_hook(process_group, bucket) (notebooks/my_compress_hook.py), or `solution`
-(faster_hook_solution.py); repeat it to check several files in one launch (the tests do; a file that crashes on
-every rank is then recorded, not raised; one that crashes on some ranks only leaves the others waiting in a
-collective, and the launch times out). For each file, a DDP copy of lesson 09's mlp (helpers.kit.zero.build_model,
+(faster_hook_solution.py, in the teacher's copy only); repeat it to check several files in one launch (the tests do;
+a file that crashes on every rank is then recorded, not raised; one that crashes on some ranks only leaves the
+others waiting in a collective, and the launch times out).
+For each file, a DDP copy of lesson 09's mlp (helpers.kit.zero.build_model,
 buckets of 0.01 MiB: one bucket in step 0, two after DDP's rebuild) takes 3 steps on each rank's own data, twice:
 1. on DDP's default group (every rank; DDP hands the hook process_group=None);
 2. (2 ranks or more) on a process group that is not WORLD: the ranks split in two groups, all but the last rank, and

@@ -7,6 +7,9 @@ import ast
 import json
 import os
 import re
+import signal
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -83,6 +86,26 @@ def test_prepare_compile_keeps_caches_out_of_the_repository(monkeypatch):
     assert not os.path.exists(cache)
 
 
+def test_a_stopped_worker_removes_its_compile_cache(tmp_path):
+    """Stop SIGTERMs a launch's workers; by default that skips the worker's `finally`, and an interrupted compile left
+    its folder in /tmp (a walkthrough found one). The handler removes it and still ends the process by SIGTERM."""
+    script = ("import os, signal, time\n"
+              "from helpers.kit.faster_step import prepare_compile, remove_compile_caches_when_stopped\n"
+              "remove_compile_caches_when_stopped()\n"
+              "cache = prepare_compile()\n"
+              "open(os.path.join(cache, 'compiled.so'), 'w').close()\n"
+              "print(cache, flush=True)\n"
+              "try:\n    time.sleep(60)\nfinally:\n    print('finally ran', flush=True)\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "MASTER_PORT": f"stopped-{os.getpid()}"}
+    worker = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env,
+                              cwd=tmp_path)
+    cache = worker.stdout.readline().strip()
+    assert os.path.isdir(cache)
+    worker.send_signal(signal.SIGTERM)
+    assert worker.wait(timeout=30) == -signal.SIGTERM  # the launcher reads the same exit as before
+    assert not os.path.exists(cache)
+
+
 def test_still_working_speaks_at_once_and_then_every_few_seconds(capsys):
     import time
     with still_working("compiling", every=0.05):
@@ -133,6 +156,17 @@ RECORDS = {  # what faster_hook_check.py records on a rank for a wrong hook -> t
     "the default group": ({"steps": [{**good_step(**SUBGROUP), "error": 0.4, "every_rank_fit": 0.003,
                                       "every_rank_differs": 0.4}]},
                           "the average over all 3 ranks, not over the 2 ranks of the group DDP handed your hook"),
+    "float32 and the default group": (  # the starting code: both mistakes named, the group's after the bytes
+        {"steps": [{**good_step(), "calls": [{"op": "all_reduce", "bytes": 17704}]},
+                   {**good_step(**SUBGROUP), "calls": [{"op": "all_reduce", "bytes": 17704}], "error": 0.4,
+                    "every_rank_fit": 0.003, "every_rank_differs": 0.4}]},
+        "(2 bytes each) before the all-reduce. And in step 0 on a process group of 2 ranks that is not WORLD, DDP's "
+        "gradients are (a multiple of) the average over all 3 ranks"),
+    "float32, wrong on every group": (  # not a group mistake: the bytes alone are named
+        {"steps": [{**good_step(), "calls": [{"op": "all_reduce", "bytes": 17704}], "ratio": 3.0, "error": 2.0},
+                   {**good_step(**SUBGROUP), "calls": [{"op": "all_reduce", "bytes": 17704}], "ratio": 2.0,
+                    "error": 1.0}]},
+        "before the all-reduce."),
     "own values": ({"steps": [{**good_step(), "error": 0.75, "ratio": 0.4, "own_fit": 0.002}]},
                    "this rank's own gradients, scaled, not the all-reduced sum"),
     "wrong values": ({"steps": [{**good_step(), "ratio": 0.9, "error": 0.3}]}, "differ from the exact average"),
@@ -148,6 +182,8 @@ def test_each_wrong_record_gets_its_own_not_yet(name):
     right = {"missing": False, "problems": [], "steps": [good_step()]}
     line = faster_step._verdict_line({0: right, 1: full}, "h.py", 3)
     assert line.startswith("Not yet: rank 1: ") and words in line, line
+    if name == "float32, wrong on every group":
+        assert line.endswith("before the all-reduce."), line
 
 
 def test_a_rank_alone_in_its_group_may_return_its_own_gradient():
