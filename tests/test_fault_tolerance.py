@@ -2,7 +2,8 @@
 of fault_tolerance_train.py are launched, and asserted, by the lesson
 (notebooks/06_fault_tolerance_and_scaling_out.ipynb, under pytest --nbval); here only the failures it does not show:
 a kill in the middle of a checkpoint write, a restart without a checkpoint, a global batch that does not split over
-the ranks. What launches nothing is tested in tests/fast/test_checkpoint_no_launch.py."""
+the ranks, and how the hang run's frozen rank ends (on torchrun's SIGTERM, not its SIGKILL 30 s later). What
+launches nothing is tested in tests/fast/test_checkpoint_no_launch.py."""
 from __future__ import annotations
 
 import pytest
@@ -64,6 +65,20 @@ def test_without_a_checkpoint_a_restart_starts_again_from_step_zero():
 def test_global_batch_must_split_over_the_ranks():
     with pytest.raises(WorkerFailed, match="does not split over 2 ranks"):
         launch(TRAIN, nproc=2, args=["--global-batch", "33", "--steps", "1"], echo=False)
+
+
+def test_a_frozen_rank_ends_on_torchruns_sigterm_not_its_sigkill_30_s_later():
+    """Walkthrough w0506, lesson 06 cell 11: when a rank fails, torchrun SIGTERMs the others and SIGKILLs them 30 s
+    later, whatever --shutdown-timeout says (forked workers: ProcessContext.join in torch/multiprocessing/spawn.py;
+    a script: _stop_workers -> _shutdown()). The frozen rank gives up the worker's polite-stop SIGTERM handler, so
+    the SIGTERM ends it; kept, the agent logs 'Unable to shutdown process' and the cell sits 30 s longer."""
+    with pytest.raises(WorkerFailed) as failure:
+        launch(TRAIN, nproc=2, echo=False,
+               args=[*SMALL, "--fail-rank", "1", "--fail-step", "2", "--fail-mode", "hang", "--timeout", "5"])
+    assert failure.value.rank == 0 and "Timed out" in str(failure.value)
+    agent_log = (failure.value.run.log_dir / "agent_node0.log").read_text()
+    assert "SIGTERM" in agent_log, agent_log[-2000:]  # torchrun did send it (the log's wording depends on the path)
+    assert "Unable to shutdown process" not in agent_log, agent_log[-2000:]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="shows what happens without CUDA")

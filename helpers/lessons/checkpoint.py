@@ -81,15 +81,18 @@ def check_atomic_save(save: Callable[[dict, Path], None], folder: str | os.PathL
     """Lesson 06's exercise: does `save(state, path)` keep the old checkpoint if it dies midway?"""
     Path(folder).mkdir(parents=True, exist_ok=True)
     path = Path(folder) / "exercise.pt"
+    path.unlink(missing_ok=True)  # a file left by an earlier try must not stand in for this try's save
     good = {"step": 1, "weight": torch.arange(1000.0)}
     save(good, path)
+    if not path.exists():
+        return not_yet("nothing is at `path` after a successful save: rename the temporary file into place.")
     try:
         save({"step": 2, "weight": torch.zeros(1000), "oops": _FailsHalfway()}, path)
     except RuntimeError:
         pass
     try:
         after = torch.load(path, weights_only=True)
-    except (RuntimeError, EOFError, pickle.UnpicklingError) as error:
+    except (RuntimeError, EOFError, FileNotFoundError, pickle.UnpicklingError) as error:
         return not_yet(f"the crash destroyed the last good checkpoint ({type(error).__name__}).")
     if after["step"] != 1 or not torch.equal(after["weight"], good["weight"]):
         return not_yet("the file at `path` changed although the second save failed.")

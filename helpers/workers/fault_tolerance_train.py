@@ -10,7 +10,8 @@
 --fail-rank/--fail-step  make a rank fail once, in the first attempt, at that step (no --fail-rank: every rank
                        that was given the flags):
 --fail-mode crash      the process raises an error, as when its GPU fails
---fail-mode hang       the process stops answering; the others time out after --timeout seconds
+--fail-mode hang       the process stops answering; the others time out after --timeout seconds, and the
+                       SIGTERM torchrun then sends it ends it (it gives up the polite-stop handler when it freezes)
 --fail-mode mid-save   rank 0 is killed (SIGKILL) inside the save of that step's checkpoint, while torch.save
                        is pickling (the file it writes to is open and still empty)
 --save-in-place        the control: save with torch.save(state, PATH) instead of save_checkpoint (no rename)
@@ -108,6 +109,9 @@ def fail(mode: str, rank: int) -> None:
         os.kill(os.getppid(), signal.SIGKILL)  # the agent first: it must not restart this worker
         os.kill(os.getpid(), signal.SIGKILL)
     print(f"rank {rank}: stops answering (a stuck GPU, a frozen machine)")
+    # A frozen rank never reaches the step where it would read _on_sigterm's flag: without that handler, torchrun's
+    # SIGTERM ends it at once (kept, the signal would be caught for nothing, and torchrun would SIGKILL it 30 s later).
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     time.sleep(3600)
 
 

@@ -77,6 +77,33 @@ def test_atomic_save_check_rejects_a_save_that_deletes_the_old_file_before_the_r
     assert "just before file step 2" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("leftover", [False, True], ids=["fresh folder", "file left by an earlier try"])
+def test_atomic_save_check_names_a_forgotten_rename(tmp_path, capsys, leftover):
+    """Walkthrough w0506: a save that writes the temporary file and never renames it. In a fresh folder the check
+    itself raised FileNotFoundError; with a file left by an earlier try it blamed a change of that file."""
+    if leftover:
+        torch.save({"step": 3, "weight": torch.ones(1000)}, tmp_path / "exercise.pt")
+
+    def no_rename(state, path):
+        torch.save(state, path.with_name(path.name + ".tmp"))
+
+    assert not check_atomic_save(no_rename, tmp_path)
+    out = capsys.readouterr().out
+    assert out.startswith("Not yet") and "nothing is at `path` after a successful save" in out, out
+    assert check_atomic_save(lambda state, path: save_checkpoint(path, state), tmp_path)  # the same folder, fixed
+
+
+def test_atomic_save_check_rejects_a_save_that_deletes_the_old_file_before_writing_the_new_one(tmp_path, capsys):
+    def unlink_first(state, path):  # a crash while pickling now leaves no file at all
+        path.unlink(missing_ok=True)
+        temporary = path.with_name(path.name + ".tmp")
+        torch.save(state, temporary)
+        os.replace(temporary, path)
+
+    assert not check_atomic_save(unlink_first, tmp_path)
+    assert "destroyed the last good checkpoint (FileNotFoundError)" in capsys.readouterr().out
+
+
 def test_atomic_save_check_rejects_a_temporary_file_outside_the_checkpoints_folder(tmp_path, capsys):
     """Review 06-3: mkstemp() in the default temporary folder, then shutil.move, passes every crash on one file
     system; on a cluster (checkpoints on shared storage, /tmp on the node) the move is a copy, or os.replace raises
