@@ -302,7 +302,8 @@ def _traffic_problem(record: dict) -> str | None:
         return f"in step {step} compress_hook called {ops}; a compression hook needs one all-reduce per bucket."
     if len(calls) != len(buckets):  # catches an all-reduce issued twice, or none
         unseen = (" (the check sees only calls made as dist.all_reduce, torch.distributed's attribute; one made "
-                  "through distributed_c10d or the group object directly is not counted)") if not calls else ""
+                  "through distributed_c10d, the group object or _functional_collectives is not counted)"
+                  ) if not calls else ""
         return (f"in step {step} compress_hook issued {len(calls)} all-reduce calls for {len(buckets)} "
                 f"bucket{'s' if len(buckets) > 1 else ''}: one all-reduce per bucket{unseen}.")
     values = sum(bucket["values"] for bucket in buckets)

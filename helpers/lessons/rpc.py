@@ -99,16 +99,16 @@ def _sleeps_missing(source: str) -> bool:
 
 
 def _counter_made_by_remote(source: str) -> bool:
-    """Whether the source calls remote(...) (rpc.remote or a bare `remote`) with Counter as the function, by position
-    or as func=: the call that returns an RRef to a Counter on its owner. A source that does not parse is left to
-    the launch to report."""
+    """Whether the source calls remote(...) (rpc.remote or a bare `remote`) with a function, by position or as func=:
+    the call that returns an RRef to what that function builds on the owner (Counter itself, or a function that
+    returns one). A source that does not parse is left to the launch to report."""
     tree = _parsed(source)
     if tree is None:
         return True
     for call in (node for node in ast.walk(tree) if isinstance(node, ast.Call)):
         name = call.func.attr if isinstance(call.func, ast.Attribute) else getattr(call.func, "id", None)
         functions = call.args[1:2] + [keyword.value for keyword in call.keywords if keyword.arg == "func"]
-        if name == "remote" and any(isinstance(f, ast.Name) and f.id == "Counter" for f in functions):
+        if name == "remote" and functions:
             return True
     return False
 

@@ -60,7 +60,7 @@ def train(model, batches, log: CommLog) -> dict:
 
 def dynamo_said() -> dict:
     """dynamo's own counters since they were cleared: frames it was asked to compile and compiled, and why it gave
-    up (each reason's headlines, and the frames it skipped: "forward (faster_step.py line 72)")."""
+    up (each reason's headlines, and the frames it skipped: "forward (faster_step.py line N)")."""
     reasons = list(counters["unimplemented"]) + list(counters["graph_break"])
     skipped = sorted({f"{m[1]} ({m[2].rsplit('/', 1)[-1]} line {m[3]})" for reason in reasons
                       for m in re.finditer(r"frame skipped: (\w+) \((.+?) line (\d+)\)", reason)})

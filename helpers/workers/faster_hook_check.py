@@ -8,9 +8,9 @@ a file that crashes on every rank is then recorded, not raised; one that crashes
 others waiting in a collective, and the launch times out).
 For each file, a DDP copy of lesson 09's mlp (helpers.kit.zero.build_model,
 buckets of 0.01 MiB: one bucket in step 0, two after DDP's rebuild) takes 3 steps on each rank's own data, twice:
-1. on DDP's default group (every rank; DDP hands the hook process_group=None);
+1. on DDP's default group (every rank; the check registers state=None, so the hook gets None);
 2. (2 ranks or more) on a process group that is not WORLD: the ranks split in two groups, all but the last rank, and
-   the last rank alone; DDP is given that group, and the hook receives it as its process_group.
+   the last rank alone; DDP is given that group and the check registers it as the state, so the hook receives it.
 The hook is registered through a wrapper of ours that records what DDP handed the hook (each bucket's values), what
 the hook returned (a Future? completed within --deadline seconds? holding one tensor of the bucket's shape and
 dtype?), whether the all-reduce came from torch's own hooks (torch/distributed/algorithms/ddp_comm_hooks/), and

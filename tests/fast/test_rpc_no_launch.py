@@ -24,7 +24,7 @@ def test_the_counter_check_reads_whether_add_kept_its_sleeps():
 def test_the_counter_check_reads_whether_an_rref_holds_the_counter():
     """Review r0506-2, 05-1: a Counter made on worker1 by a plain rpc_sync and reached through module functions got
     "Correct"; the check now reads the source for remote(..., Counter). Right but different: rpc.remote with
-    keywords, and a bare `remote` imported from torch.distributed.rpc."""
+    keywords, a bare `remote` imported from torch.distributed.rpc, and a function that returns a Counter."""
     from helpers import WORKERS
     from helpers.lessons.rpc import _counter_made_by_remote
 
@@ -34,5 +34,5 @@ def test_the_counter_check_reads_whether_an_rref_holds_the_counter():
     assert _counter_made_by_remote(solution.replace(made, 'rpc.remote(to="worker1", func=Counter, args=())'))
     assert _counter_made_by_remote(solution.replace(made, 'remote("worker1", Counter)'))
     assert not _counter_made_by_remote(solution.replace(made, 'rpc.rpc_sync("worker1", make)'))
-    assert not _counter_made_by_remote(solution.replace(made, 'rpc.remote("worker1", make)'))
+    assert _counter_made_by_remote(solution.replace(made, 'rpc.remote("worker1", make)'))  # a factory: an RRef too
     assert _counter_made_by_remote("def broken(:\n")  # left to the launch, which reports the SyntaxError
