@@ -152,6 +152,21 @@ def test_exercise_check_asks_about_wait_when_an_entry_holds_values_no_rank_sent(
     assert "entry 1 holds [-1.0, -1.0, -1.0], values no rank sent: did you wait() on every irecv" in out
 
 
+def test_exercise_check_names_a_receive_into_the_wrong_entry(tmp_path, capsys):
+    """A walkthrough's learner received rank j's tensor into entry j + 1 and heard "did you wait()?": the check now
+    names the entry that holds another rank's tensor and the index to receive into."""
+    solution = (WORKERS / "collectives_all_gather_solution.py").read_text()
+    assert "dist.irecv(gathered[other], src=other)" in solution
+    script = tmp_path / "off_by_one.py"
+    script.write_text(solution.replace("torch.empty_like(tensor) for _", "torch.full_like(tensor, -1.0) for _")
+                      .replace("dist.irecv(gathered[other], src=other)",
+                               "dist.irecv(gathered[(other + 1) % world_size], src=other)"))
+    assert not check_all_gather(script)
+    out = capsys.readouterr().out.splitlines()[-1]
+    assert "values no rank sent (nothing was received into it), and entry" in out, out
+    assert "receive rank j's tensor into entry j" in out and "wait()" not in out, out
+
+
 def test_exercise_check_names_the_learners_line_when_the_script_crashes(tmp_path, capsys):
     """A learner's all_gather that raises (here: one slot too many) gets the rank, its own file:line and the error."""
     solution = (WORKERS / "collectives_all_gather_solution.py").read_text()

@@ -333,10 +333,17 @@ def check_all_gather(script: str | Path, nproc: int = 3, timeout: float = 60) ->
             return not_yet(f"rank {rank}'s entry {rank} (its own tensor) was never filled: it holds {got[rank]}, "
                            f"expected {expected[rank]}.")
         strangers = [k for k, entry in enumerate(got) if entry not in expected] if isinstance(got, list) else []
-        if got != expected and strangers:  # e.g. an irecv's buffer read before its wait(): whatever memory held
+        if got != expected and strangers:  # an entry nothing was received into, or read before its wait()
             k = strangers[0]
+            misplaced = [(j, expected.index(entry)) for j, entry in enumerate(got)
+                         if entry in expected and expected.index(entry) != j]
+            if misplaced:  # e.g. receiving into gathered[(peer + 1) % world_size]: one entry left as allocated
+                j, sender = misplaced[0]
+                return not_yet(f"on rank {rank}, entry {k} holds {got[k]}, values no rank sent (nothing was received "
+                               f"into it), and entry {j} holds rank {sender}'s tensor: receive rank j's tensor into "
+                               f"entry j, recv(gathered[j], src=j); check the index each irecv writes.")
             return not_yet(f"on rank {rank}, entry {k} holds {got[k]}, values no rank sent: did you wait() on every "
-                           f"irecv before reading? (expected {expected[k]})")
+                           f"irecv before reading, and does an irecv write into entry {k}? (expected {expected[k]})")
         if isinstance(got, list) and sorted(got) == expected and got != expected:
             k = next(k for k in range(nproc) if got[k] != expected[k])
             return not_yet(f"rank {rank} holds every rank's tensor, but out of order: its entry {k} is rank "
