@@ -95,6 +95,12 @@ WRONG = {
     "m01 bucketed: gradients summed, not averaged": (
         "bucketed", mutated(("(flat / self.world_size)", "flat")),
         "model 'mlp': after step 0's backward the gradient of 0.weight is 2 times DDP's averaged gradient: divide"),
+    "w09-3 bucketed: divided before the all-reduce's wait() (the sum lands over the division)": (
+        "bucketed", mutated(("            work.wait()\n            averages = (flat / self.world_size).split(",
+                             "            flat.div_(self.world_size)\n            work.wait()\n"
+                             "            averages = flat.split(")),
+        "model 'mlp': after step 0's backward the gradient of 0.weight is 2 times DDP's averaged gradient: divide the "
+        "summed gradient by the world size, after the collective's wait()"),
     "m02 zero1: full Adam state on every rank (right collectives, shards and numbers)": (
         "zero1", mutated(("optimizer_class(list(self.shards.values()), **kwargs)",
                           "optimizer_class(list(self.shards.values()) + self.params, **kwargs)")),
