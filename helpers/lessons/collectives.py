@@ -342,8 +342,9 @@ def check_all_gather(script: str | Path, nproc: int = 3, timeout: float = 60) ->
                 return not_yet(f"on rank {rank}, entry {k} holds {got[k]}, values no rank sent (nothing was received "
                                f"into it), and entry {j} holds rank {sender}'s tensor: receive rank j's tensor into "
                                f"entry j, recv(gathered[j], src=j); check the index each irecv writes.")
-            return not_yet(f"on rank {rank}, entry {k} holds {got[k]}, values no rank sent: did you wait() on every "
-                           f"irecv before reading, and does an irecv write into entry {k}? (expected {expected[k]})")
+            return not_yet(f"on rank {rank}, entry {k} holds {got[k]}, which is no rank's tensor (expected "
+                           f"{expected[k]}): an irecv read before its wait(), an entry no irecv writes into, or a "
+                           "send of a buffer not filled yet (send your own tensor to every peer).")
         if isinstance(got, list) and sorted(got) == expected and got != expected:
             k = next(k for k in range(nproc) if got[k] != expected[k])
             return not_yet(f"rank {rank} holds every rank's tensor, but out of order: its entry {k} is rank "

@@ -414,8 +414,9 @@ def _gradient_message(stage: str, name: str, got: dict, step: int, rank: int, wo
         return _nan_message(stage, f"{what} of {name}", step, asynchronous)
     if _scaled(got, world_size):  # catches a sum not divided by N
         return (f"after step {step}'s backward {what} of {name} is {world_size} times DDP's averaged gradient: "
-                "divide the summed gradient by the world size, after the collective's wait() (a division before "
-                "wait() can be lost: the collective writes its result over the buffer).")
+                "divide the summed gradient by the world size, after the collective's wait() or before you issue "
+                "it (as torch's allreduce_hook does); a division in between is lost here (this check delivers the "
+                "result at wait()).")
     if _scaled(got, 1 / world_size):  # catches an average divided by N again (ReduceOp.AVG, then / N)
         return (f"after step {step}'s backward {what} of {name} is 1/{world_size} of DDP's averaged gradient: it was "
                 "divided by the world size twice (op=ReduceOp.AVG already divides the sum by it); divide once.")
