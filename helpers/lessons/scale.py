@@ -550,8 +550,7 @@ def _where_it_differs(yours: dict[int, dict], torch_counts: dict[int, dict]) -> 
 # The functions of this module that run torch to count the exercise's collectives (the checker's answer key among
 # them): a tp_counts that calls one, or enters torch's CommDebugMode, has the counts made for it instead of derived.
 _COUNTERS = {"collective_counts", "tp_phase_counts", "_tp_phase_counts_cached", "_tp_phase_counts_measured",
-             "tp_step_counts", "_fsdp_tp_with",
-             "simulated_world"}
+             "tp_step_counts", "_fsdp_tp_with", "simulated_world"}
 
 
 def _counter_called(call: Any) -> tuple[Any, str | None]:
