@@ -19,6 +19,17 @@ import os
 import torch
 import torch.distributed as dist
 
+# Imported now, before any process group exists, on purpose. torch/distributed/nn/functional.py (torch 2.14)
+# writes `group=group.WORLD` as the default argument of its collectives (broadcast, line 32, and nine more), and
+# Python evaluates a default once, when the module is imported. DistributedDataParallel's constructor imports it
+# (through torch.distributed._shard), so a worker that builds DDP after init_process_group stores its default
+# group in those defaults for good: destroy_process_group() then cannot free it. We measured what that costs:
+# gloo's worker threads live on into interpreter shutdown, and about 1 run in 10 of a 2-rank job whose last
+# collective comes just before exit died with "terminate called without an active exception" (SIGABRT; a gloo
+# thread releasing the last collective's tensors needed the GIL after Python had begun to shut down).
+# Imported first, the defaults are None (the default group, looked up at each call) and nothing holds the group.
+import torch.distributed.nn.functional
+
 
 def pick_backend(backend: str | None = None) -> tuple[str, torch.device]:
     """`nccl` and this rank's GPU when CUDA is present, else `gloo` and the CPU; `backend` overrides.

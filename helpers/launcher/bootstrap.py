@@ -113,6 +113,9 @@ def _record_failure(run_dir: str, me: dict, text: str) -> None:
 
 
 if __name__ == "__main__":
+    # A learner's script that builds DDP after init_process_group would otherwise keep its group alive into
+    # interpreter shutdown, where gloo's threads can abort the process: see helpers/kit/distributed.py.
+    import torch.distributed.nn.functional  # noqa: F401
     from torch.distributed.elastic.multiprocessing.errors import record
 
     record(run_script)(*sys.argv[1:])

@@ -102,6 +102,7 @@ def _preload() -> None:
     """Import, once, what nearly every worker needs: the point of this process. Nothing here starts a
     thread or touches CUDA, so forking afterwards stays safe."""
     import torch
+    import torch.distributed.nn.functional  # before any group exists: see helpers/kit/distributed.py
     import torch.distributed.run
     import torch.nn.parallel
     import torch.optim
