@@ -3,7 +3,7 @@
     torchrun --standalone --nproc-per-node 2 helpers/workers/ddp_failure_report.py            # no traceback in it
     torchrun --standalone --nproc-per-node 2 helpers/workers/ddp_failure_report.py --record   # the traceback in it
 
-Rank 1 raises a ValueError at step 2; rank 0 is then waiting in an all_reduce that rank 1 never joins. torchrun's
+Rank 1 raises a ValueError at its first step; rank 0 then waits in an all_reduce that rank 1 never joins. torchrun's
 agent sees a worker exit with an error, stops the others and raises ChildFailedError, whose report lists every
 failure and names a "Root Cause (first observed failure)". A worker's traceback reaches that report only through an
 error file, which `torch.distributed.elastic.multiprocessing.errors.record` writes when the decorated function raises.
@@ -20,7 +20,10 @@ def main() -> None:
     rank = dist.get_rank()
     total = torch.ones(1)
     for step in range(5):
-        if rank == 1 and step == 2:
+        # At step 0, before any collective of rank 1's own. Raised just after one, the rank now and then died of
+        # SIGABRT on its way out instead: gloo's thread let go of that all_reduce's tensor after Python had begun
+        # to shut down (needing the GIL then aborts the process), and the report named the signal, not the error.
+        if rank == 1 and step == 0:
             raise ValueError(f"rank {rank} found a bad batch at step {step}")
         dist.all_reduce(total)
     dist.destroy_process_group()
