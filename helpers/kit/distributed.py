@@ -22,12 +22,17 @@ import torch.distributed as dist
 # Imported now, before any process group exists, on purpose. torch/distributed/nn/functional.py (torch 2.14)
 # writes `group=group.WORLD` as the default argument of its collectives (broadcast, line 32, and nine more), and
 # Python evaluates a default once, when the module is imported. DistributedDataParallel's constructor imports it
-# (through torch.distributed._shard), so a worker that builds DDP after init_process_group stores its default
-# group in those defaults for good: destroy_process_group() then cannot free it. We measured what that costs:
-# gloo's worker threads live on into interpreter shutdown, and about 1 run in 10 of a 2-rank job whose last
-# collective comes just before exit died with "terminate called without an active exception" (SIGABRT; a gloo
-# thread releasing the last collective's tensors needed the GIL after Python had begun to shut down).
-# Imported first, the defaults are None (the default group, looked up at each call) and nothing holds the group.
+# (it touches torch._dynamo, which imports fsdp, then _shard, then this module), so a worker that builds DDP after
+# init_process_group stores its default group in those defaults for good: destroy_process_group() then cannot free
+# it, and gloo's worker threads live on into interpreter shutdown. We measured what that costs: about 1 run in 10
+# of a 2-rank job whose last collective (a checkpoint's gather_object) came just before exit died with "terminate
+# called without an active exception" (SIGABRT). The core dump's stacks: the main thread in Py_FinalizeEx, a gloo
+# thread (ProcessGroupGloo::runLoop) destroying that collective's work, whose tensor had a Python object, waiting
+# for the GIL; Python 3.11 ends such a thread (pthread_exit) inside the C++ destructor, which aborts the process.
+# Imported first, the defaults are None (the default group, looked up at each call): the group then lives only as
+# long as what uses it (a DDP model holds it as .process_group), and goes when the model does, before shutdown
+# unless the model is kept in a module global. Workers that do not import this module (lesson 02's own) are
+# covered when the launcher starts them (its bootstrap and launch server import the module first).
 import torch.distributed.nn.functional
 
 

@@ -4,7 +4,8 @@ It ties the worker's life to its agent (so no worker outlives a dead launcher), 
 line-buffered (so the notebook sees it live), lets the launcher ask for its Python stacks (a hang
 becomes a diagnosis), tells the launcher which global rank this process is, records a precise
 failure time and traceback if the script raises, then runs the script as ``__main__`` exactly as
-``python script.py`` would. Standard library only (and helpers.kit.run_files).
+``python script.py`` would. Standard library only (and helpers.kit.run_files), but for two imports of torch: its
+``record`` and, in :func:`run_script`, a module that must come before the script's process group.
 
 Fresh-interpreter mode runs ``python -u -m helpers.launcher.bootstrap script.py args...``; fork mode calls
 :func:`run_forked_script` in a process forked from the agent (itself forked from the preloaded launch server).
@@ -68,6 +69,10 @@ def run_forked_script(script: str, *args: str) -> None:
 
 def run_script(script: str, *args: str, forked: bool = False) -> None:
     die_with_parent()
+    # Before the script's own init_process_group: a script that builds DDP after it would otherwise keep its group
+    # alive into interpreter shutdown, where gloo's threads can abort the process (see helpers/kit/distributed.py).
+    # Fresh-interpreter mode imports torch here anyway (torch's record, below); fork mode has it preloaded.
+    import torch.distributed.nn.functional  # noqa: F401
     # A forked worker inherits the agent's Python signal handlers; give it a fresh interpreter's.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -113,9 +118,6 @@ def _record_failure(run_dir: str, me: dict, text: str) -> None:
 
 
 if __name__ == "__main__":
-    # A learner's script that builds DDP after init_process_group would otherwise keep its group alive into
-    # interpreter shutdown, where gloo's threads can abort the process: see helpers/kit/distributed.py.
-    import torch.distributed.nn.functional  # noqa: F401
     from torch.distributed.elastic.multiprocessing.errors import record
 
     record(run_script)(*sys.argv[1:])
