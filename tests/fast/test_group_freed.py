@@ -5,7 +5,7 @@ DistributedDataParallel's constructor imports torch.distributed.nn.functional, w
 alive after destroy_process_group(), and gloo's threads with it, into interpreter shutdown. There they
 aborted about 1 run in 10 of the Slurm test's 2-rank job ("terminate called without an active exception").
 Each case runs in a fresh interpreter (the import order is the point) as a group of one on gloo, and counts
-this process's threads before the group and once the function that built DDP has returned."""
+gloo's own threads (by the names gloo gives them) once the function that built DDP has returned."""
 from __future__ import annotations
 
 import subprocess
@@ -17,7 +17,6 @@ SCRIPT = """
 import os, sys
 import torch
 import torch.distributed as dist
-before = len(os.listdir("/proc/self/task"))  # no group yet: none of gloo's threads
 if sys.argv[1] == "kit":
     from helpers.kit.distributed import init_distributed
     init_distributed("gloo")
@@ -26,12 +25,23 @@ else:  # the control: the same group, joined without the helper's early import
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 def train():
+    assert gloo_threads() > 0, "gloo started no named thread: this test cannot see the group"
     model = DDP(torch.nn.Linear(4, 4))
     model(torch.ones(2, 4)).sum().backward()
     dist.destroy_process_group()
 
+def gloo_threads():  # gloo names its threads: gloo_tcp_loop, pt_gloo_runloop (other pools may come and go)
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            names.append(open(f"/proc/self/task/{task}/comm").read().strip())
+        except FileNotFoundError:  # a thread that ended meanwhile
+            pass
+    return sum("gloo" in name for name in names)
+
+during = gloo_threads()
 train()
-print(before, len(os.listdir("/proc/self/task")))
+print(during, gloo_threads())
 """
 
 
@@ -41,8 +51,8 @@ def _threads(how: str, tmp_path, through_bootstrap: bool = False) -> tuple[int, 
     start = [sys.executable, "-m", "helpers.launcher.bootstrap"] if through_bootstrap else [sys.executable]
     out = subprocess.run([*start, str(script), how], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    before, after = map(int, out.stdout.split())
-    return before, after
+    during, after = map(int, out.stdout.split())
+    return during, after
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts threads in /proc")
@@ -51,13 +61,13 @@ def test_the_group_and_its_threads_are_gone_once_the_model_is(tmp_path):
     control = _threads("plain", tmp_path)
     # catches an early import that was removed or moved after init_process_group: the control shows that the
     # group then outlives the model (gloo's threads still running), so this test can tell the two apart
-    assert control[1] > control[0], f"the control's group was freed too ({control}): the test shows nothing"
-    assert with_kit[1] <= with_kit[0], f"gloo's threads outlived the model and destroy_process_group(): {with_kit}"
+    assert control[1] > 0, f"the control's group was freed too ({control}): the test shows nothing"
+    assert with_kit[0] > 0 and with_kit[1] == 0, f"gloo's threads outlived the model and the group: {with_kit}"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts threads in /proc")
 def test_a_learners_script_started_by_the_launcher_frees_its_group_too(tmp_path):
     """The launcher's fresh-interpreter bootstrap imports the module first: a learner's own script that calls
     init_process_group itself (the control above, whose group outlives its model under plain python)."""
-    before, after = _threads("plain", tmp_path, through_bootstrap=True)
-    assert after <= before, f"gloo's threads outlived the model under the launcher's bootstrap: {(before, after)}"
+    during, after = _threads("plain", tmp_path, through_bootstrap=True)
+    assert during > 0 and after == 0, f"gloo's threads outlived the model under the bootstrap: {(during, after)}"
