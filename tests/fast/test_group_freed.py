@@ -41,6 +41,10 @@ def gloo_threads():  # gloo names its threads: gloo_tcp_loop, pt_gloo_runloop (o
 
 during = gloo_threads()
 train()
+import time
+deadline = time.monotonic() + 5  # a thread that is ending may still be listed for a moment on a busy machine
+while gloo_threads() and time.monotonic() < deadline:
+    time.sleep(0.05)
 print(during, gloo_threads())
 """
 
