@@ -22,7 +22,7 @@ def main() -> None:
     for step in range(5):
         # At step 0, before any collective of rank 1's own. Raised just after one, the rank now and then died of
         # SIGABRT on its way out instead: gloo's thread let go of that all_reduce's tensor after Python had begun
-        # to shut down (needing the GIL then aborts the process), and the report named the signal, not the error.
+        # to shut down (needing the GIL then aborts the process), and the report gave the signal as its exit.
         if rank == 1 and step == 0:
             raise ValueError(f"rank {rank} found a bad batch at step {step}")
         dist.all_reduce(total)
