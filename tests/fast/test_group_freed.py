@@ -25,7 +25,7 @@ else:  # the control: the same group, joined without the helper's early import
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 def train():
-    assert gloo_threads() > 0, "gloo started no named thread: this test cannot see the group"
+    assert settle(lambda n: n > 0), "gloo started no named thread: this test cannot see the group"
     model = DDP(torch.nn.Linear(4, 4))
     model(torch.ones(2, 4)).sum().backward()
     dist.destroy_process_group()
@@ -39,13 +39,17 @@ def gloo_threads():  # gloo names its threads: gloo_tcp_loop, pt_gloo_runloop (o
             pass
     return sum("gloo" in name for name in names)
 
-during = gloo_threads()
-train()
 import time
-deadline = time.monotonic() + 5  # a thread that is ending may still be listed for a moment on a busy machine
-while gloo_threads() and time.monotonic() < deadline:
-    time.sleep(0.05)
-print(during, gloo_threads())
+
+def settle(done, seconds=5):  # a busy machine: gloo's threads name themselves once they run, and one that is
+    deadline = time.monotonic() + seconds  # ending can still be listed for a moment; wait up to 5 s either way
+    while not done(gloo_threads()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return gloo_threads()
+
+during = settle(lambda n: n > 0)
+train()
+print(during, settle(lambda n: n == 0))
 """
 
 
