@@ -9,6 +9,7 @@ helpers/kit/instruments.py.
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 
@@ -61,11 +62,8 @@ def _same(answer: float, value: float) -> bool:
     return math.isclose(answer, value, rel_tol=1e-9, abs_tol=1.0)  # a rounded int matches a formula's float
 
 
-def check_traffic(traffic: Callable[[int, int], int]) -> bool:
-    """The exercise's check: does traffic(parameter_bytes, num_devices) give the bytes DP moves per iteration?
-
-    Compared with what our rebuild's Broadcast copied and received (measured_traffic), for two models on 2, 3 and 4
-    devices; a wrong answer is matched, over every case, against the formulas in TRAFFIC_MISTAKES."""
+@functools.cache  # counted once per kernel: the bytes depend only on the two models and the device counts
+def _traffic_cases() -> tuple[tuple[str, int, int, int], ...]:
     cases = []
     for name, build in (("SimpleModel", SimpleModel), ("mlp(256, 14)", lambda: mlp(256, 14))):
         model = build()
@@ -73,6 +71,15 @@ def check_traffic(traffic: Callable[[int, int], int]) -> bool:
         for num_devices in (2, 3, 4):
             moved = measured_traffic(model, num_devices)
             cases.append((name, parameter_bytes, num_devices, moved["weights_out"] + moved["grads_back"]))
+    return tuple(cases)
+
+
+def check_traffic(traffic: Callable[[int, int], int]) -> bool:
+    """The exercise's check: does traffic(parameter_bytes, num_devices) give the bytes DP moves per iteration?
+
+    Compared with what our rebuild's Broadcast copied and received (measured_traffic), for two models on 2, 3 and 4
+    devices; a wrong answer is matched, over every case, against the formulas in TRAFFIC_MISTAKES."""
+    cases = _traffic_cases()
     answers = []
     for _, parameter_bytes, num_devices, _ in cases:
         try:
