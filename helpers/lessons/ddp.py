@@ -185,11 +185,11 @@ def torchrun_failure_reports(attempts: int = 3) -> dict[str, str]:
     on 6 December; one at a time beside the server 2.0 GiB); return what each printed (stdout and stderr).
 
     A rank that dies of SIGABRT while Python tears down its gloo process group makes torchrun's report name the
-    signal as its exit (without @record, only the signal; with it, the traceback beside it). Rank 1 raised at step
-    2, right after an all_reduce, that happened in 9 launches of 32 on a busy 2-core machine here (gloo's thread
-    released that collective's tensor after Python had begun shutting down); raised at step 0, before any
-    collective of its own, in none of 32. Should it happen, the pair runs again, up to `attempts` times in all, so
-    that the lesson shows the report of a plain error."""
+    signal as its exit (without @record, only the signal; with it, the traceback beside it). When rank 1 raised at
+    step 2, right after an all_reduce, that happened in 9 launches of 32 on a busy 2-core machine here (gloo's thread
+    released that collective's tensor after Python had begun shutting down); now that it raises at step 0, before
+    any collective of its own, it happened in none of 32. Should it happen, the pair runs again, up to `attempts`
+    times in all, so that the lesson shows the report of a plain error."""
     from helpers.kit import WORKERS
     from helpers.launcher.api import stop_launch_server
 
