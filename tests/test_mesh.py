@@ -5,6 +5,7 @@ two exercise checks on their starting code and on their solutions are asserted b
 right-but-different plan beside them, which cost nothing more there) and a plan file that crashes."""
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -112,10 +113,25 @@ def test_workers_refuse_a_world_that_is_not_2_by_2():
         launch(WORKERS / "mesh_tour.py", nproc=2, echo=False, timeout=60)
 
 
+def _launch_again_after_a_segfault(*args, **kwargs):
+    """One more launch, only when a rank died of SIGSEGV. Once, in CI's full suite (7 December), rank 1 of the load
+    below segfaulted in step 3's backward while its main thread waited in a DTensor reduce_scatter on gloo, and the
+    crashing thread had no Python frame (gloo's own): a crash inside gloo, not what this test checks; 0 of 170 such
+    launches here. The save and the load redo the same work when launched again; a second segfault fails the test."""
+    try:
+        return launch(*args, **kwargs)
+    except WorkerFailed as failure:
+        if failure.exitcode != -11:
+            raise
+        warnings.warn(f"launched once more after: {failure}", stacklevel=2)
+        return launch(*args, **kwargs)
+
+
 def test_checkpoint_reshards_bitwise_and_a_changed_value_is_caught(tmp_path):
     folder = tmp_path / "checkpoint"
     common = ["--dir", folder, "--save-at", 2, "--steps", 4]
-    saved = launch(WORKERS / "mesh_checkpoint.py", nproc=4, args=["save", *common], echo=False, timeout=120)
+    saved = _launch_again_after_a_segfault(WORKERS / "mesh_checkpoint.py", nproc=4, args=["save", *common],
+                                           echo=False, timeout=120)
     for rank in range(4):
         assert saved.results[rank]["in_flight_at_step_start"]
     files = checkpoint_files(folder / "step-2")
@@ -127,8 +143,8 @@ def test_checkpoint_reshards_bitwise_and_a_changed_value_is_caught(tmp_path):
     # moment is 4 row ranges, rank r's in rank r's file.
     chunks = checkpoint_chunks(folder / "step-2")
     assert len(chunks) == 3 * 19 and not_sharded_by_rows(chunks, 4) == []
-    loaded = launch(WORKERS / "mesh_checkpoint.py", nproc=4, args=["load", "--layout", "fsdp_tp", *common],
-                    echo=False, timeout=120)
+    loaded = _launch_again_after_a_segfault(WORKERS / "mesh_checkpoint.py", nproc=4,
+                                            args=["load", "--layout", "fsdp_tp", *common], echo=False, timeout=120)
     for rank in range(4):
         assert loaded.results[rank]["unequal"] == [] and loaded.results[rank]["compared"] == 76
         resumed = loaded.results[rank]["losses"]
